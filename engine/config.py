@@ -1,0 +1,72 @@
+"""Small frozen configuration dataclasses, validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency-dependent RoPE scaling (HF `rope_type: llama3`) or linear."""
+
+    rope_type: str  # "llama3" | "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Static description of a decoder-only transformer; hashable, so jit can key on it."""
+
+    architecture: str  # registry key: "llama" (Llama 2/3, Mistral, Qwen2, SmolLM2)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v projections (Qwen2)
+    sliding_window: int | None = None  # Mistral: attend to at most this many keys
+    dtype: str = "float32"  # parameter and activation dtype
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    def replace(self, **changes: object) -> ModelConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

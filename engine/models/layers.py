@@ -1,0 +1,129 @@
+"""Layers shared by the model families: pure functions of arrays and static numbers.
+
+Shapes: T tokens, D model width, N query heads, K kv heads, H head dim, F MLP width.
+Weights are stored input-major (`x @ w`), with heads as their own axis so that
+sharding rules can name them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.config import RopeScaling
+
+Params = dict[str, Any]
+# attention(q f[T, N, H], k f[T, K, H], v f[T, K, H], layer_cache) -> (f[T, N, H], layer_cache)
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in float32, returned in x's dtype; `offset` is 1 for Gemma's `1 + w`."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies f32[H/2], computed on the host from static config (as HF does)."""
+    exponents = np.arange(0, head_dim, 2).astype(np.float32) / head_dim
+    inv_freq = 1.0 / theta**exponents
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # interpolated smoothly.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding in the "rotate half" convention of HF checkpoints.
+
+    x: f[T, N, H]; positions: i32[T]; inv_freq: f32[H/2].
+    """
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # f32[T, H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+def gated_mlp(x: jax.Array, p: Params, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """SwiGLU (silu) or GeGLU (gelu): down(act(x @ gate) * (x @ up))."""
+    gate = jnp.einsum("TD,DF->TF", x, p["w_gate"])
+    up = jnp.einsum("TD,DF->TF", x, p["w_up"])
+    return jnp.einsum("TF,FD->TD", activation(gate) * up, p["w_down"])
+
+
+def dense_causal_attention(
+    q: jax.Array,  # f[T, N, H]
+    k: jax.Array,  # f[T, K, H]
+    v: jax.Array,  # f[T, K, H]
+    positions: jax.Array,  # i32[T]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+) -> jax.Array:
+    """Attention of one whole sequence over itself: the naive oracle, O(T^2)."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    q = q.reshape(q.shape[0], num_kv_heads, num_heads // num_kv_heads, q.shape[2])
+    scores = jnp.einsum("TKGH,SKH->KGTS", q, k, preferred_element_type=jnp.float32) * sm_scale
+    if logit_soft_cap is not None:
+        scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
+    distance = positions[:, None] - positions[None, :]  # i32[T, S]
+    visible = distance >= 0
+    if sliding_window is not None:
+        visible &= distance < sliding_window
+    scores = jnp.where(visible, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("KGTS,SKH->TKGH", probs, v)
+    return out.reshape(out.shape[0], num_heads, out.shape[-1])
+
+
+def run_layers(
+    layer_fn: Callable[[jax.Array, Params, Any], tuple[jax.Array, Any]],
+    x: jax.Array,
+    layers: list[Params] | Params,
+    caches: Any,
+) -> tuple[jax.Array, Any]:
+    """Applies `layer_fn` over the layers: unrolled for a list of per-layer params, a
+    `lax.scan` for params stacked on a leading layer axis (one compile for any depth).
+
+    Which is faster is platform-dependent (see shared/BASELINES.md); the model is the same.
+    """
+    if isinstance(layers, list):
+        caches = [None] * len(layers) if caches is None else caches
+        new_caches = []
+        for i, (layer, cache) in enumerate(zip(layers, caches, strict=True)):
+            with jax.named_scope(f"layer_{i}"):
+                x, cache = layer_fn(x, layer, cache)
+            new_caches.append(cache)
+        return x, new_caches
+
+    def body(h: jax.Array, layer_and_cache: tuple[Params, Any]) -> tuple[jax.Array, Any]:
+        return layer_fn(h, *layer_and_cache)
+
+    return jax.lax.scan(body, x, (layers, caches))
+
+
+def stack_layers(layers: list[Params]) -> Params:
+    """Per-layer params -> one pytree with a leading layer axis (for `lax.scan`)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)

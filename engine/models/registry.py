@@ -1,0 +1,92 @@
+"""Maps checkpoint architecture names to a model family's pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from engine.config import ModelConfig
+from engine.errors import UnsupportedModelError
+from engine.models import llama
+from engine.models.layers import AttentionFn, Params
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family: its forward pass and how to read its checkpoints."""
+
+    name: str
+    forward: Callable[..., tuple[jax.Array, Any]]
+    compute_logits: Callable[..., jax.Array]
+    sm_scale: Callable[[ModelConfig], float]
+    config_from_hf: Callable[..., ModelConfig]
+    config_from_gguf: Callable[..., ModelConfig]
+    hf_tensor_specs: Callable[[ModelConfig], dict[str, llama.TensorSpec]]
+
+
+LLAMA = ModelFamily(
+    name="llama",
+    forward=llama.forward,
+    compute_logits=llama.compute_logits,
+    sm_scale=llama.sm_scale,
+    config_from_hf=llama.config_from_hf,
+    config_from_gguf=llama.config_from_gguf,
+    hf_tensor_specs=llama.hf_tensor_specs,
+)
+
+FAMILIES = {LLAMA.name: LLAMA}
+
+# Hugging Face `architectures[0]` -> family.
+HF_ARCHITECTURES: Mapping[str, ModelFamily] = {
+    "LlamaForCausalLM": LLAMA,
+    "MistralForCausalLM": LLAMA,
+    "Qwen2ForCausalLM": LLAMA,
+}
+
+# GGUF `general.architecture` -> family.
+GGUF_ARCHITECTURES: Mapping[str, ModelFamily] = {
+    "llama": LLAMA,
+    "qwen2": LLAMA,
+}
+
+
+def family_for_hf(architectures: list[str] | None) -> ModelFamily:
+    name = (architectures or ["<missing>"])[0]
+    if name not in HF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {name!r}; supported: {', '.join(sorted(HF_ARCHITECTURES))}"
+        )
+    return HF_ARCHITECTURES[name]
+
+
+def family_for_gguf(architecture: str) -> ModelFamily:
+    if architecture not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {architecture!r}; "
+            f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    return GGUF_ARCHITECTURES[architecture]
+
+
+def family(cfg: ModelConfig) -> ModelFamily:
+    return FAMILIES[cfg.architecture]
+
+
+def forward(
+    params: Params,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    caches: Any,
+    attention: AttentionFn,
+    *,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, Any]:
+    """The forward of whichever family `cfg` names."""
+    return family(cfg).forward(params, token_ids, positions, caches, attention, cfg=cfg)
+
+
+def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    return family(cfg).compute_logits(params, hidden, cfg=cfg)

