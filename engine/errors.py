@@ -14,4 +14,9 @@ class UnsupportedModelError(ModelLoadError):
 
 
 class InvalidRequestError(XlaserveError, ValueError):
-    """A request (prompt, sampling parameters) that cannot be served as given."""
+    """A request (prompt, sampling parameters) that cannot be served as given; `param` names
+    the offending field (OpenAI's error shape has it)."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
