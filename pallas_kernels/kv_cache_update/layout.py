@@ -1,0 +1,116 @@
+"""The paged KV cache layout shared by every attention backend, and the write into it.
+
+One layer's cache is one array `kv_pages: dtype[num_pages, page_size, 2*Hkv, Dp]`:
+
+- K and V are interleaved along the combined-head axis: `kv_pages[p, i, 2*h]` is K of kv head h and
+  `kv_pages[p, i, 2*h+1]` is V of kv head h, for token slot i of page p. A page is one contiguous
+  block holding both K and V of all heads for `page_size` tokens, so a kernel fetches everything a
+  page contributes with one DMA (one page-table lookup, one descriptor), instead of two
+  half-size copies from two arrays; the write below is likewise one scatter.
+- Tokens are addressed by slot = page * page_size + offset; the engine's `slot_mapping` uses that.
+- The head dim may be padded to `Dp` lanes (`KVCacheSpec.padded_head_dim`). On TPU Mosaic tiles the
+  last dim in 128 lanes, so a 64-wide head would use half of every vreg and DMA anyway; the cache
+  pads to a multiple of 128 and the extra lanes hold zeros (written by `write_kv`), which leaves
+  q . k and p @ v unchanged once q is zero-padded too. On GPU and CPU padding would only double
+  the bytes read per decode step, so there it is none (`KVCacheSpec.for_platform`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+DTYPES = ("float32", "bfloat16")
+TPU_LANES = 128
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Static shape of one layer's paged KV cache; hashable, so it can be a static jit argument."""
+
+    num_pages: int
+    page_size: int  # token slots per page
+    num_kv_heads: int  # Hkv; the cache holds 2*Hkv combined heads (K, V interleaved)
+    head_dim: int  # D of the model's K/V
+    dtype: str = "float32"
+    lane_multiple: int = 1  # the cache's head dim is head_dim rounded up to this
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "num_kv_heads", "head_dim", "lane_multiple"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @classmethod
+    def for_platform(
+        cls,
+        platform: str,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str = "float32",
+    ) -> KVCacheSpec:
+        """The spec with the head-dim padding the platform's kernels want ("tpu": 128 lanes)."""
+        lanes = TPU_LANES if platform == "tpu" else 1
+        return cls(num_pages, page_size, num_kv_heads, head_dim, dtype, lanes)
+
+    @property
+    def padded_head_dim(self) -> int:
+        """Dp, the last dim of kv_pages."""
+        return -(-self.head_dim // self.lane_multiple) * self.lane_multiple
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.num_pages, self.page_size, 2 * self.num_kv_heads, self.padded_head_dim)
+
+    def replace(self, **changes: int | str) -> KVCacheSpec:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def init_kv_pages(spec: KVCacheSpec) -> jax.Array:
+    """An all-zero cache: dtype[num_pages, page_size, 2*Hkv, Dp]."""
+    return jnp.zeros(spec.shape, jnp.dtype(spec.dtype))
+
+
+def write_kv(
+    kv_pages: jax.Array,  # dtype[num_pages, page_size, 2*Hkv, Dp]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # i32[T]; page * page_size + offset, -1 for padding tokens
+) -> jax.Array:
+    """Scatters the new tokens' K and V into their slots; returns the updated kv_pages.
+
+    Padding tokens (slot -1) are not written; lanes D..Dp of written slots become zero. A pure
+    function: under jit with kv_pages donated, XLA performs the scatter in place (the output
+    aliases the donated buffer). On CPU prefer a float32 cache: XLA:CPU has no bf16 scatter, so a
+    bf16 cache is scattered as its uint16 bits, and XLA:CPU copies that view of the whole pool in
+    and out (~3x cheaper than the f32 round trip it would otherwise make, but still per call).
+    """
+    num_pages, page_size, combined, dp = kv_pages.shape
+    tokens, num_kv_heads, head_dim = k.shape
+    if v.shape != k.shape or combined != 2 * num_kv_heads or head_dim > dp:
+        raise ValueError(
+            f"{k.shape=} and {v.shape=} must be equal and [T, Hkv, D] with 2*Hkv and D <= Dp "
+            f"of {kv_pages.shape=}"
+        )
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"{slot_mapping.shape=} must be ({tokens},), one slot per token")
+    new = jnp.stack([k, v], axis=2).reshape(tokens, combined, head_dim)  # K0 V0 K1 V1 ...
+    new = jnp.pad(new.astype(kv_pages.dtype), ((0, 0), (0, 0), (0, dp - head_dim)))
+    num_slots = num_pages * page_size
+    slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)  # out of range: dropped
+    flat = _bits(kv_pages).reshape(num_slots, combined, dp)
+    flat = flat.at[slots].set(_bits(new), mode="drop")
+    return lax.bitcast_convert_type(flat.reshape(kv_pages.shape), kv_pages.dtype)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """bf16 as u16 (exact), other dtypes unchanged; see write_kv for why."""
+    return lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x

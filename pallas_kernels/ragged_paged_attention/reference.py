@@ -1,0 +1,417 @@
+"""Ragged paged attention in pure jnp: the oracle the kernels are tested against, and the CPU path.
+
+The contract is in `pallas_kernels/ragged_paged_attention/__init__.py`; the cache layout in
+`pallas_kernels/kv_cache_update/layout.py`. Here q.shape[-1] == kv_pages.shape[-1].
+
+Work is linear in the sum over sequences of (query tokens x that sequence's context):
+
+- Decode rows (sequences with one query token) are done together, vectorised over the S sequence
+  slots: a loop over KV blocks of `decode_kv_block` tokens gathers each sequence's pages of that
+  block through the page table, up to the longest decode context in the batch.
+- Every other sequence (prefill, chunked prefill) goes through a loop over the runtime number of
+  sequences, then over query blocks of `q_block` rows, then over the KV blocks of `kv_block` tokens
+  that the query block can see (causal end, sliding-window start).
+
+Both use an online softmax in float32 (whatever the input dtype) and mask with `where`, never by
+multiplication, so NaN in unused pages, padding slots or padding q rows never reaches a real row.
+Keys past a sequence's kv_len are read from its key 0 instead of their slot, so the values that a
+zero weight multiplies are always finite.
+
+On CPU prefer a float32 cache. XLA:CPU cannot gather bf16, so the reference gathers the cache's
+bits as uint16; XLA still materialises that uint16 view once per call (one read and write of the
+page pool, ~2x cheaper than the f32 copy a plain bf16 gather costs, but proportional to the pool,
+not to the keys read). bf16 is fully supported; on TPU and GPU the kernels read bf16 natively.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+# Block sizes measured on the 2-core CPU (bench/kernels.py); KV blocks round down to whole pages.
+DEFAULT_Q_BLOCK = 128  # query rows per block of a multi-token sequence
+# Key tokens per block of a multi-token sequence: as many as keep the f32 score tile
+# [Hq, q_block, K] near 2 MiB: 448 keys for Hq=9 (~47 GFLOP/s), 128 for Hq=32 (57 vs 28 at 512).
+SCORE_BLOCK_BYTES = 2 << 20
+# Decode gathers one KV block for all S sequences at once; keeping that f32 copy of K and V near
+# 2 MiB (in cache) measured fastest: ~32 tokens for 32 seqs x (Hkv=3, D=64), one page for (8, 128).
+DECODE_BLOCK_BYTES = 2 << 20
+
+Carry = tuple[jax.Array, jax.Array, jax.Array]  # running max, softmax denominator, accumulator
+
+
+def check_supported(
+    q_dtype: jnp.dtype, head_dim: int, page_size: int, num_q_heads: int, num_kv_heads: int
+) -> None:
+    """Raises ValueError naming the combination if the reference cannot run it."""
+    if jnp.dtype(q_dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"reference: {q_dtype=} must be float32 or bfloat16")
+    if head_dim <= 0 or page_size <= 0:
+        raise ValueError(f"reference: {head_dim=} and {page_size=} must be positive")
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"reference: {num_q_heads=} must be a multiple of {num_kv_heads=}")
+
+
+def check_inputs(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+) -> None:
+    """Static (trace-time) checks of the contract's shapes and dtypes, shared by all backends."""
+    if q.ndim != 3:
+        raise ValueError(f"{q.shape=} must be [T, Hq, D]")
+    if kv_pages.ndim != 4 or kv_pages.shape[2] % 2 or kv_pages.shape[3] != q.shape[2]:
+        raise ValueError(
+            f"{kv_pages.shape=} must be [num_pages, page_size, 2*Hkv, D] with D = {q.shape[2]}"
+        )
+    if kv_pages.dtype != q.dtype:
+        raise ValueError(f"{kv_pages.dtype=} must equal {q.dtype=}")
+    if q.shape[1] % (kv_pages.shape[2] // 2):
+        raise ValueError(
+            f"{q.shape[1]=} query heads must be a multiple of Hkv in {kv_pages.shape=}"
+        )
+    (num_slots,) = kv_lens.shape
+    if page_table.ndim != 2 or page_table.shape[0] != num_slots:
+        raise ValueError(f"{page_table.shape=} must be [S, P] with S = {kv_lens.shape[0]}")
+    if cu_q_lens.shape != (num_slots + 1,):
+        raise ValueError(f"{cu_q_lens.shape=} must be ({num_slots + 1},), S + 1 entries")
+    if num_seqs.shape != ():
+        raise ValueError(f"{num_seqs.shape=} must be (), a scalar")
+    for name, x in (("kv_lens", kv_lens), ("page_table", page_table), ("cu_q_lens", cu_q_lens)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name}.dtype={x.dtype} must be an integer type")
+
+
+def _init_carry(stat_shape: tuple[int, ...], head_dim: int) -> Carry:
+    m = jnp.full(stat_shape, -jnp.inf, jnp.float32)
+    return m, jnp.zeros(stat_shape, jnp.float32), jnp.zeros((*stat_shape, head_dim), jnp.float32)
+
+
+def _softmax_step(
+    carry: Carry,
+    scores: jax.Array,  # f32[..., K]
+    allowed: jax.Array,  # bool, broadcastable to scores
+    values: jax.Array,  # f32, finite everywhere (keys past kv_len hold a copy of key 0)
+    pv: str,  # einsum of probabilities and values into the accumulator's shape
+) -> Carry:
+    """One online-softmax block: rescale the running sums and add this block's keys."""
+    m, denom, acc = carry
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet
+    p = jnp.where(allowed, jnp.exp(scores - m_safe[..., None]), 0.0)
+    alpha = jnp.exp(m - m_safe)
+    denom_new = alpha * denom + p.sum(axis=-1)
+    acc_new = alpha[..., None] * acc + jnp.einsum(pv, p, values)
+    return m_new, denom_new, acc_new
+
+
+def _finish(carry: Carry) -> jax.Array:
+    _, denom, acc = carry
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def _cap(scores: jax.Array, logit_soft_cap: float | None) -> jax.Array:
+    if logit_soft_cap is None:
+        return scores
+    return logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
+
+
+def _window_start(pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    """First key position a query at `pos` may see."""
+    if sliding_window is None:
+        return jnp.zeros_like(pos)
+    return jnp.maximum(pos - sliding_window + 1, 0)
+
+
+def _gather_heads_major(
+    kv_pages: jax.Array,  # dtype[num_pages, page_size, 2*Hkv, D]
+    slots: jax.Array,  # i32[..., K] token slots (page * page_size + offset) of one KV block
+) -> tuple[jax.Array, jax.Array]:
+    """K and V of the given slots as f32[..., Hkv, K, D] each: heads-major, so both attention
+    einsums are plain batched matmuls with the batch dims leading (no transposes in XLA:CPU).
+    """
+    num_pages, page_size, combined, _ = kv_pages.shape
+    flat = _as_bits(kv_pages).reshape(num_pages * page_size, combined, -1)
+    heads = 2 * jnp.arange(combined // 2, dtype=jnp.int32)  # i32[Hkv]; K's combined head
+    slot, head = jnp.broadcast_arrays(slots[..., None, :], heads[:, None])  # i32[..., Hkv, K]
+    return _bits_to_f32(flat[slot, head]), _bits_to_f32(flat[slot, head + 1])
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    """bf16 as u16 (a free bitcast); other dtypes unchanged.
+
+    XLA:CPU has no bf16 gather: it converts the gather's operand, the whole cache, to f32, and
+    hoists that out of the KV loop, so every call would copy the entire page pool. Gathering the
+    bits keeps the cost proportional to the keys read.
+    """
+    return lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def _bits_to_f32(x: jax.Array) -> jax.Array:
+    """Inverse of _as_bits, widened to f32: a bf16 is the high half of the f32 of equal value."""
+    if x.dtype != jnp.uint16:
+        return x.astype(jnp.float32)
+    return lax.bitcast_convert_type(jnp.stack([jnp.zeros_like(x), x], -1), jnp.float32)
+
+
+def _block_slots(
+    pages: jax.Array,  # i32[..., B] page ids of one KV block, any values
+    valid: jax.Array,  # bool[..., B * page_size] key < kv_len
+    fallback: jax.Array,  # i32[...] slot of the sequence's key 0
+    num_pages: int,
+    page_size: int,
+) -> jax.Array:
+    """Token slots of a block; keys past kv_len read key 0 instead (real, finite data), so NaN in
+    unused slots never meets the zero weight that masks it (0 * NaN = NaN)."""
+    page = jnp.clip(pages, 0, num_pages - 1)
+    slots = (page[..., :, None] * page_size + jnp.arange(page_size)).reshape(valid.shape)
+    return jnp.where(valid, slots, fallback[..., None])
+
+
+def _decode_rows(
+    out: jax.Array,  # f32[T, Hq, D]
+    q: jax.Array,  # [T, Hq, D]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2*Hkv, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_table: jax.Array,  # i32[S, P + B]; padded so a block slice never clamps
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+    block_pages: int,
+) -> jax.Array:
+    """Attention for every sequence with exactly one query, all sequences at once."""
+    tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads = (
+        kv_pages.shape[0],
+        kv_pages.shape[1],
+        kv_pages.shape[2] // 2,
+    )
+    group, block = num_q_heads // num_kv_heads, block_pages * page_size
+    num_slots = kv_lens.shape[0]
+    is_decode = (jnp.arange(num_slots) < num_seqs) & (cu_q_lens[1:] - cu_q_lens[:-1] == 1)
+    lens = jnp.where(is_decode, kv_lens, 0)  # i32[S]
+    rows = jnp.where(is_decode, cu_q_lens[:-1], tokens)  # i32[S]; `tokens` = not a decode row
+    qd = q[jnp.minimum(rows, tokens - 1)].astype(jnp.float32) * sm_scale  # f32[S, Hq, D]
+    qd = jnp.where(is_decode[:, None, None], qd, 0.0).reshape(num_slots, num_kv_heads, group, -1)
+    first = _window_start(lens - 1, sliding_window)  # i32[S]
+    fallback = jnp.clip(page_table[:, 0], 0, num_pages - 1) * page_size  # i32[S]
+
+    def kv_block(b: jax.Array, carry: Carry) -> Carry:
+        with jax.named_scope("decode_kv_block"):
+            pages = lax.dynamic_slice_in_dim(page_table, b * block_pages, block_pages, axis=1)
+            key = b * block + jnp.arange(block)  # i32[K]
+            valid = key[None, :] < lens[:, None]  # bool[S, K]
+            allowed = valid & (key[None, :] >= first[:, None])
+            slots = _block_slots(pages, valid, fallback, num_pages, page_size)  # i32[S, K]
+            k, v = _gather_heads_major(kv_pages, slots)  # f32[S, Hkv, K, D]
+            scores = _cap(jnp.einsum("shgd,shkd->shgk", qd, k), logit_soft_cap)
+            return _softmax_step(carry, scores, allowed[:, None, None, :], v, "shgk,shkd->shgd")
+
+    start = jnp.min(jnp.where(is_decode, first, jnp.iinfo(jnp.int32).max)) // block
+    stop = (jnp.max(lens) + block - 1) // block
+    carry = _init_carry((num_slots, num_kv_heads, group), head_dim)
+    res = _finish(lax.fori_loop(jnp.minimum(start, stop), stop, kv_block, carry))
+    return out.at[rows].set(res.reshape(num_slots, num_q_heads, head_dim), mode="drop")
+
+
+def _prefill_rows(
+    out: jax.Array,  # f32[T, Hq, D]
+    q: jax.Array,  # [T, Hq, D]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2*Hkv, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_table: jax.Array,  # i32[S, P + B]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+    q_block: int,
+    block_pages: int,
+) -> jax.Array:
+    """Attention for every sequence with more than one query, a sequence at a time."""
+    tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads = (
+        kv_pages.shape[0],
+        kv_pages.shape[1],
+        kv_pages.shape[2] // 2,
+    )
+    group, block = num_q_heads // num_kv_heads, block_pages * page_size
+    # Pad the rows so a query block that starts near the end is never shifted back by clamping.
+    q = jnp.pad(q, ((0, q_block), (0, 0), (0, 0)))  # [T + BQ, Hq, D]
+    out = jnp.pad(out, ((0, q_block), (0, 0), (0, 0)))  # f32[T + BQ, Hq, D]
+
+    def sequence(s: jax.Array, out: jax.Array) -> jax.Array:
+        begin, q_len, kv_len = cu_q_lens[s], cu_q_lens[s + 1] - cu_q_lens[s], kv_lens[s]
+        table = page_table[s]  # i32[P + B]
+        fallback = jnp.clip(table[0], 0, num_pages - 1) * page_size  # i32[]
+
+        def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
+            row = begin + i * q_block
+            local = i * q_block + jnp.arange(q_block)  # i32[BQ]; row index within the sequence
+            row_ok = local < q_len
+            pos = kv_len - q_len + local  # i32[BQ]; absolute positions
+            qb = lax.dynamic_slice_in_dim(q, row, q_block).astype(jnp.float32) * sm_scale
+            qb = jnp.where(row_ok[:, None, None], qb, 0.0).reshape(q_block, num_kv_heads, group, -1)
+            qb = qb.transpose(1, 2, 0, 3)  # f32[Hkv, G, BQ, D]
+            last = jnp.minimum(pos[-1], kv_len - 1)
+            first = _window_start(pos[0], sliding_window)
+
+            def kv_block(b: jax.Array, carry: Carry) -> Carry:
+                with jax.named_scope("prefill_kv_block"):
+                    pages = lax.dynamic_slice_in_dim(table, b * block_pages, block_pages)
+                    key = b * block + jnp.arange(block)  # i32[K]
+                    valid = key < kv_len
+                    allowed = valid[None, :] & (key[None, :] <= pos[:, None])  # bool[BQ, K]
+                    if sliding_window is not None:
+                        allowed &= pos[:, None] - key[None, :] < sliding_window
+                    slots = _block_slots(pages, valid, fallback, num_pages, page_size)  # i32[K]
+                    k, v = _gather_heads_major(kv_pages, slots)  # f32[Hkv, K, D]
+                    scores = _cap(jnp.einsum("hgqd,hkd->hgqk", qb, k), logit_soft_cap)
+                    return _softmax_step(carry, scores, allowed, v, "hgqk,hkd->hgqd")
+
+            carry = _init_carry((num_kv_heads, group, q_block), head_dim)
+            carry = lax.fori_loop(first // block, last // block + 1, kv_block, carry)
+            res = _finish(carry).transpose(2, 0, 1, 3).reshape(q_block, num_q_heads, head_dim)
+            old = lax.dynamic_slice_in_dim(out, row, q_block)
+            return lax.dynamic_update_slice_in_dim(
+                out, jnp.where(row_ok[:, None, None], res, old), row, 0
+            )
+
+        num_blocks = jnp.where(q_len > 1, (q_len + q_block - 1) // q_block, 0)
+        return lax.fori_loop(0, num_blocks, query_block, out)
+
+    return lax.fori_loop(0, num_seqs, sequence, out)[:tokens]
+
+
+def _ragged_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+    q_block: int,
+    kv_block: int | None,
+    decode_kv_block: int | None,
+) -> jax.Array:
+    page_size = kv_pages.shape[1]
+    if kv_block is None:
+        kv_block = SCORE_BLOCK_BYTES // (q.shape[1] * q_block * 4)
+    if decode_kv_block is None:
+        token_bytes = kv_lens.shape[0] * kv_pages.shape[2] * kv_pages.shape[3] * 4
+        decode_kv_block = DECODE_BLOCK_BYTES // token_bytes
+    prefill_pages = max(1, kv_block // page_size)
+    decode_pages = max(1, decode_kv_block // page_size)
+    pad = max(prefill_pages, decode_pages)
+    page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pad)))  # i32[S, P + B]
+    kv_lens, cu_q_lens = kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
+    num_seqs = jnp.minimum(num_seqs.astype(jnp.int32), kv_lens.shape[0])
+    args = (q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    out = jnp.zeros(q.shape, jnp.float32)
+    with jax.named_scope("decode"):
+        out = _decode_rows(
+            out,
+            *args,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap,
+            block_pages=decode_pages,
+        )
+    with jax.named_scope("prefill"):
+        out = _prefill_rows(
+            out,
+            *args,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap,
+            q_block=min(q_block, q.shape[0]),
+            block_pages=prefill_pages,
+        )
+    return out.astype(q.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "logit_soft_cap",
+        "q_block",
+        "kv_block",
+        "decode_kv_block",
+    ),
+)
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    q_block: int = DEFAULT_Q_BLOCK,
+    kv_block: int | None = None,
+    decode_kv_block: int | None = None,
+) -> jax.Array:
+    """Ragged paged attention in pure jnp (any mix of prefill, chunked prefill and decode).
+
+    Args:
+      q: f32|bf16[T, Hq, D] queries of all sequences packed back to back, then padding rows.
+      kv_pages: [num_pages, page_size, 2*Hkv, D], q's dtype; K/V interleaved per combined head
+        (see `pallas_kernels.kv_cache_update`). D must equal q's (the public wrapper pads q).
+      kv_lens: i32[S] context length of each sequence, including its new tokens.
+      page_table: i32[S, P] page ids of each sequence's context, in order.
+      cu_q_lens: i32[S+1] sequence s owns query rows cu_q_lens[s]:cu_q_lens[s+1], the last
+        tokens of its context.
+      num_seqs: i32[] number of real sequences; slots s >= num_seqs are ignored.
+      sm_scale: multiplies q . k.
+      sliding_window: a query at position i sees keys j with i - j < sliding_window.
+      logit_soft_cap: scores become cap * tanh(scores / cap).
+      q_block: query rows per block for multi-token sequences.
+      kv_block: tokens per KV block for multi-token sequences (whole pages, at least one);
+        None: as many as keep the f32 score tile near SCORE_BLOCK_BYTES.
+      decode_kv_block: tokens per KV block for one-token sequences (whole pages, at least one);
+        None: as many as keep the gathered f32 K/V of all S sequences near DECODE_BLOCK_BYTES.
+
+    Returns:
+      [T, Hq, D] in q's dtype; rows >= cu_q_lens[num_seqs] are unspecified.
+    """
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    check_supported(q.dtype, q.shape[2], kv_pages.shape[1], q.shape[1], kv_pages.shape[2] // 2)
+    return _ragged_paged_attention(
+        q,
+        kv_pages,
+        kv_lens,
+        page_table,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+        q_block=q_block,
+        kv_block=kv_block,
+        decode_kv_block=decode_kv_block,
+    )
+
+
+__all__ = ["check_inputs", "check_supported", "ragged_paged_attention_reference"]
