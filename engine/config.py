@@ -70,3 +70,49 @@ class ModelConfig:
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: page size and how much memory it may take.
+
+    Exactly one budget applies: `num_pages` if given, else `memory_bytes`, else
+    `memory_fraction` of the device memory left after the weights (like vLLM's
+    `--gpu-memory-utilization`; on CPU the fraction is of available host memory).
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    memory_bytes: int | None = None
+    memory_fraction: float = 0.5
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ValueError(f"kv cache memory must be > 0 bytes, got {self.memory_bytes}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: per step, at most `max_num_seqs` sequences and
+    `max_num_batched_tokens` tokens; `max_model_len` bounds prompt + output."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs} (every running sequence needs a token per step)"
+            )

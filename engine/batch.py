@@ -1,0 +1,190 @@
+"""SchedulerOutput -> StepInput: the ragged batch packed into preallocated NumPy buffers,
+padded to a (tokens, sequences) bucket, ready for one `device_put`.
+
+Boundary code: NumPy only; the model runner moves the result to the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.kv_cache import KVCacheManager
+from engine.request import MAX_LOGIT_BIAS, Request
+from engine.sampling import SamplingTensors
+from engine.scheduler import SchedulerOutput
+from engine.step import StepInput
+
+MIN_TOKEN_BUCKET = 16
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """smallest, 2*smallest, ... and `largest` itself (so the maximum is always a bucket)."""
+    buckets = []
+    size = smallest
+    while size < largest:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, largest)
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for size in buckets:
+        if n <= size:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class BatchShapes:
+    """The static shapes a step can have; one compiled step per (T, S) pair with S <= T."""
+
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    pages_per_seq: int  # P: page-table width, enough for max_model_len
+    penalty_len: int  # prompt/output id lists for penalties are padded to this
+
+    @classmethod
+    def create(
+        cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, page_size: int
+    ) -> BatchShapes:
+        return cls(
+            token_buckets=power_of_two_buckets(
+                min(MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens
+            ),
+            seq_buckets=power_of_two_buckets(1, max_num_seqs),
+            pages_per_seq=-(-max_model_len // page_size),
+            penalty_len=max_model_len,
+        )
+
+    def all_pairs(self) -> list[tuple[int, int]]:
+        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+
+
+class BatchBuilder:
+    """Fills two alternating sets of NumPy buffers (a buffer may still be aliased by the
+    device array of the step in flight, so the next step writes the other set)."""
+
+    def __init__(self, shapes: BatchShapes, page_size: int):
+        self.shapes = shapes
+        self.page_size = page_size
+        self._buffers = [self._allocate(), self._allocate()]
+        self._turn = 0
+
+    def _allocate(self) -> dict[str, np.ndarray]:
+        t, s, p = (
+            self.shapes.token_buckets[-1],
+            self.shapes.seq_buckets[-1],
+            self.shapes.pages_per_seq,
+        )
+        return {
+            "token_ids": np.zeros(t, np.int32),
+            "positions": np.zeros(t, np.int32),
+            "slot_mapping": np.full(t, -1, np.int32),
+            "cu_q_lens": np.zeros(s + 1, np.int32),
+            "kv_lens": np.zeros(s, np.int32),
+            "page_table": np.zeros((s, p), np.int32),
+            "logits_indices": np.zeros(s, np.int32),
+        }
+
+    def build(
+        self, out: SchedulerOutput, kv_cache: KVCacheManager, *, penalties: bool
+    ) -> StepInput:
+        """The scheduled tokens as a host-side StepInput padded to its bucket."""
+        t = pick_bucket(max(out.num_tokens, 1), self.shapes.token_buckets)
+        s = pick_bucket(max(len(out.scheduled), 1), self.shapes.seq_buckets)
+        return self.build_padded(out, kv_cache, t, s, penalties=penalties)
+
+    def build_padded(
+        self,
+        out: SchedulerOutput,
+        kv_cache: KVCacheManager | None,
+        t: int,
+        s: int,
+        *,
+        penalties: bool,
+    ) -> StepInput:
+        """Like `build`, into the (t, s) bucket; an empty `out` gives an all-padding batch."""
+        buf = self._buffers[self._turn]
+        self._turn ^= 1
+        token_ids, positions, slots = buf["token_ids"], buf["positions"], buf["slot_mapping"]
+        cu_q_lens, kv_lens, page_table = buf["cu_q_lens"], buf["kv_lens"], buf["page_table"]
+        offset = 0
+        for i, scheduled in enumerate(out.scheduled):
+            assert kv_cache is not None
+            request, start, n = scheduled.request, scheduled.start, scheduled.num_new_tokens
+            table = np.asarray(kv_cache.page_table(request.request_id), np.int32)
+            pos = np.arange(start, start + n, dtype=np.int32)
+            token_ids[offset : offset + n] = request.all_token_ids[start : start + n]
+            positions[offset : offset + n] = pos
+            slots[offset : offset + n] = table[pos // self.page_size] * self.page_size + (
+                pos % self.page_size
+            )
+            page_table[i, : len(table)] = table
+            kv_lens[i] = start + n
+            offset += n
+            cu_q_lens[i + 1] = offset
+        num_seqs = len(out.scheduled)
+        token_ids[offset:t] = 0
+        positions[offset:t] = 0
+        slots[offset:t] = -1
+        cu_q_lens[num_seqs + 1 : s + 1] = offset
+        kv_lens[num_seqs:s] = 0
+        logits_indices = buf["logits_indices"]
+        logits_indices[:s] = np.maximum(cu_q_lens[1 : s + 1] - 1, 0)
+        return StepInput(
+            token_ids=token_ids[:t],
+            positions=positions[:t],
+            slot_mapping=slots[:t],
+            cu_q_lens=cu_q_lens[: s + 1],
+            kv_lens=kv_lens[:s],
+            page_table=page_table[:s],
+            num_seqs=np.int32(num_seqs),
+            logits_indices=logits_indices[:s],
+            sampling=self._sampling(out, s, penalties=penalties),
+        )
+
+    def _sampling(self, out: SchedulerOutput, s: int, *, penalties: bool) -> SamplingTensors:
+        requests = [scheduled.request for scheduled in out.scheduled]
+        return sampling_tensors(requests, s, self.shapes.penalty_len if penalties else 0)
+
+
+def sampling_tensors(requests: list[Request], num_seqs: int, penalty_len: int) -> SamplingTensors:
+    """Per-sequence sampling arrays for `requests`, padded to `num_seqs` rows with greedy
+    defaults. Penalty id lists are only filled when `penalty_len` > 0."""
+    n = len(requests)
+    params = [r.sampling_params for r in requests]
+
+    def column(values: list[float] | list[int], dtype: type, pad: float) -> np.ndarray:
+        array: np.ndarray = np.full(num_seqs, pad, dtype)
+        array[:n] = values
+        return array
+
+    bias_ids = np.full((num_seqs, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_values = np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32)
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
+            bias_values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
+    prompt_ids = np.full((num_seqs, penalty_len), -1, np.int32)
+    output_ids = np.full((num_seqs, penalty_len), -1, np.int32)
+    if penalty_len:
+        for i, r in enumerate(requests):
+            prompt_ids[i, : len(r.prompt_token_ids)] = r.prompt_token_ids
+            output_ids[i, : len(r.output_token_ids)] = r.output_token_ids
+    return SamplingTensors(
+        temperature=column([p.temperature for p in params], np.float32, 0.0),
+        top_k=column([max(p.top_k, 0) for p in params], np.int32, 0),
+        top_p=column([p.top_p for p in params], np.float32, 1.0),
+        min_p=column([p.min_p for p in params], np.float32, 0.0),
+        repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1.0),
+        presence_penalty=column([p.presence_penalty for p in params], np.float32, 0.0),
+        frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0.0),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        seeds=column([r.seed for r in requests], np.uint32, 0),
+        output_index=column([len(r.output_token_ids) for r in requests], np.int32, 0),
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+    )

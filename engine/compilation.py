@@ -1,0 +1,37 @@
+"""Counts the XLA compilations this process performs, whoever triggers them.
+
+The engine compiles one step per bucket at start-up and nothing after; this counter is how
+tests and the metrics endpoint check that claim.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_count = 0
+_installed = False
+
+
+def _on_event(event: str, duration_secs: float, **kwargs: object) -> None:
+    global _count
+    if event == _BACKEND_COMPILE_EVENT:
+        with _lock:
+            _count += 1
+
+
+def install() -> None:
+    """Starts counting (idempotent)."""
+    global _installed
+    with _lock:
+        if not _installed:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _installed = True
+
+
+def count() -> int:
+    """Backend compilations since `install()`; persistent-cache hits are not compilations."""
+    return _count

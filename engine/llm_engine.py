@@ -1,0 +1,304 @@
+"""The engine loop and the offline API.
+
+`LLMEngine.step()` is: schedule -> run the compiled step -> record tokens -> stop checks.
+`LLM(model).generate(prompts, params)` runs it to completion, like vLLM's offline API.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCacheManager, describe_kv_cache
+from engine.model_runner import ModelRunner
+from engine.models.layers import Params
+from engine.output_processor import SequenceOutput, StopDecision
+from engine.request import (
+    CompletionOutput,
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    validate_prompt,
+)
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step import StepOutput
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Parent:
+    """A user's request: n sequences that share its prompt.
+
+    Only the first sequence is scheduled at once; the others join when its prefill is done, so
+    they find the prompt's pages in the prefix cache instead of computing them again.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    children: list[Request]
+    outputs: list[SequenceOutput]
+    pending: list[Request] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_computed_prompt_tokens: int = 0  # prompt tokens actually run (not from the prefix cache)
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        tokenizer: Tokenizer,
+        *,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        attention_impl: str | None = None,
+        warm_up: bool = True,
+    ):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.scheduler_config = scheduler_config or SchedulerConfig(
+            max_model_len=cfg.max_position_embeddings
+        )
+        cache_config = cache_config or CacheConfig()
+        self.runner = ModelRunner(
+            cfg, params, cache_config, self.scheduler_config, attention_impl=attention_impl
+        )
+        self.kv_cache = KVCacheManager(
+            self.runner.num_pages,
+            cache_config.page_size,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
+        )
+        log.info(
+            describe_kv_cache(
+                self.runner.num_pages,
+                cache_config.page_size,
+                self.runner.page_bytes,
+                self.scheduler_config.max_model_len,
+            )
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, tuple[_Parent, int]] = {}
+        self.stats = EngineStats()
+        if warm_up:
+            seconds = self.runner.warm_up()
+            log.info("compiled %d step buckets in %.1f s", self.runner.num_compiled, seconds)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> None:
+        """Queues a request; raises InvalidRequestError (with the numbers) if it can't be served."""
+        if request_id in self._parents:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        validate_prompt(ids, self.cfg.vocab_size)
+        children = [self._child(request_id, i, ids, params, priority) for i in range(params.n)]
+        self.scheduler.add_request(children[0])  # raises if the request can never fit
+        outputs = [
+            SequenceOutput(self.tokenizer, params, self.scheduler_config.max_model_len)
+            for _ in children
+        ]
+        parent = _Parent(request_id, ids, children, outputs, pending=children[1:])
+        self._parents[request_id] = parent
+        for i, child in enumerate(children):
+            self._child_parent[child.request_id] = (parent, i)
+        self.stats.num_prompt_tokens += len(ids)
+
+    def _child(
+        self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int
+    ) -> Request:
+        # Child i of a seeded request uses seed + i, so n samples differ but are reproducible.
+        seed = params.seed + index if params.seed is not None else random.getrandbits(31)
+        child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        return Request(child_id, list(ids), params, seed=seed, priority=priority)
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child in parent.children:
+            self.scheduler.abort(child.request_id)
+            self._child_parent.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the outputs of requests that made progress."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        result = self.runner.execute(
+            out,
+            self.kv_cache,
+            penalties=_any_penalties(out),
+            num_top_logprobs=_max_logprobs(out),
+        )
+        completed = self.scheduler.update_after_step(out)
+        self.stats.num_steps += 1
+        self.stats.num_computed_prompt_tokens += _prompt_tokens_run(out)
+        return self._postprocess(out, completed, result)
+
+    def _postprocess(
+        self, out: SchedulerOutput, completed: list[Request], result: StepOutput
+    ) -> list[RequestOutput]:
+        row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+        touched: dict[str, _Parent] = {}
+        now = time.monotonic()
+        for request in completed:
+            i = row[request.request_id]
+            token = int(result.token_ids[i])
+            request.output_token_ids.append(token)
+            request.first_token_time = request.first_token_time or now
+            if request.sampling_params.logprobs is not None:
+                request.logprobs.append(_logprob_entry(result, i, request.sampling_params.logprobs))
+            parent, index = self._child_parent[request.request_id]
+            if parent.pending and index == 0:  # the prompt's pages are cached: siblings join
+                for sibling in parent.pending:
+                    self.scheduler.add_request(sibling)
+                parent.pending.clear()
+            decision = parent.outputs[index].append(request, token)
+            if decision is not None:
+                self._finish(parent, index, decision)
+            touched[parent.request_id] = parent
+            self.stats.num_generation_tokens += 1
+        return [self._request_output(p) for p in touched.values()]
+
+    def _finish(self, parent: _Parent, index: int, decision: StopDecision) -> None:
+        child = parent.children[index]
+        child.stop_reason = decision.stop_reason
+        self.scheduler.finish(child, decision.reason)
+        parent.finished.add(index)
+
+    def _request_output(self, parent: _Parent) -> RequestOutput:
+        finished = len(parent.finished) == len(parent.children)
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=seq.text,
+                token_ids=list(child.output_token_ids),
+                finish_reason=child.finish_reason.value if child.finish_reason else None,
+                stop_reason=child.stop_reason,
+                logprobs=child.logprobs if child.sampling_params.logprobs is not None else None,
+            )
+            for i, (child, seq) in enumerate(zip(parent.children, parent.outputs, strict=True))
+        ]
+        if finished:
+            del self._parents[parent.request_id]
+            for child in parent.children:
+                self._child_parent.pop(child.request_id, None)
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt_token_ids,
+            outputs,
+            finished,
+            num_cached_tokens=parent.children[0].num_cached_tokens,
+        )
+
+
+def _any_penalties(out: SchedulerOutput) -> bool:
+    return any(s.request.sampling_params.uses_penalties for s in out.scheduled)
+
+
+def _max_logprobs(out: SchedulerOutput) -> int:
+    wanted = [s.request.sampling_params.logprobs or 0 for s in out.scheduled]
+    return max(wanted, default=0)
+
+
+def _prompt_tokens_run(out: SchedulerOutput) -> int:
+    return sum(
+        max(0, min(s.start + s.num_new_tokens, len(s.request.prompt_token_ids)) - s.start)
+        for s in out.scheduled
+    )
+
+
+def _logprob_entry(result: StepOutput, row: int, k: int) -> dict[int, float]:
+    entry = {
+        int(t): float(lp)
+        for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k], strict=True)
+    }
+    entry[int(result.token_ids[row])] = float(result.logprobs[row])
+    return entry
+
+
+class LLM:
+    """Offline generation, in the spirit of vLLM's `LLM`:
+
+    llm = LLM("smollm2-135m")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    """
+
+    def __init__(
+        self, model: str = "smollm2-135m", *, dtype: str = "float32", **engine_kwargs: Any
+    ):
+        from engine.tokenizer import load_tokenizer
+        from engine.weights import open_checkpoint, resolve_model
+
+        checkpoint = open_checkpoint(resolve_model(model), dtype=dtype)
+        tokenizer = load_tokenizer(checkpoint.files.path)
+        self.engine = LLMEngine(
+            checkpoint.cfg, checkpoint.load_params(), tokenizer, **engine_kwargs
+        )
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns finished outputs in the order of `prompts`."""
+        prompt_list: list[str | Sequence[int]] = (
+            [prompts] if isinstance(prompts, str) else list(prompts)
+        )
+        params = sampling_params or SamplingParams()
+        params_list = (
+            [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        )
+        ids = [f"offline-{i}" for i in range(len(prompt_list))]
+        for request_id, prompt, p in zip(ids, prompt_list, params_list, strict=True):
+            self.engine.add_request(request_id, prompt, p)
+        return run_to_completion(self.engine, ids, use_tqdm=use_tqdm)
+
+
+def run_to_completion(
+    engine: LLMEngine, request_ids: list[str], *, use_tqdm: bool = False
+) -> list[RequestOutput]:
+    results: dict[str, RequestOutput] = {}
+    with tqdm(total=len(request_ids), disable=not use_tqdm, desc="generating") as bar:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    bar.update(1)
+    return [results[i] for i in request_ids]
+
+
+__all__ = ["LLM", "FinishReason", "LLMEngine", "SamplingParams"]

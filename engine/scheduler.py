@@ -1,0 +1,205 @@
+"""Continuous batching: which tokens of which requests the next step computes.
+
+Every step gets a token budget. Running requests are served first (a decode is one token, a
+prompt still being prefilled takes what the budget leaves: chunked prefill, so long prompts
+never stall decodes), then waiting requests are admitted by priority and arrival. When the KV
+cache runs out of pages, the running request with the lowest priority (then the newest) is
+preempted: its pages are freed and it waits to be recomputed later, helped by the prefix cache.
+
+Host code: plain Python, never imports jax.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """`num_new_tokens` of `request`, starting at token `start`, go into this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """Whether this step reaches the request's last known token, so its sample is kept."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
+    """vLLM's wording, which clients match on."""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{max_tokens} output tokens and your prompt contains {prompt_len} input tokens, for a "
+        f"total of {prompt_len + max_tokens} tokens. Please reduce the length of the input "
+        f"prompt or the number of requested output tokens."
+    )
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.running: list[Request] = []  # kept in serving order: priority, then arrival
+        self._waiting: list[tuple[int, float, int, Request]] = []  # heap
+        self._order = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission and removal -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request, or rejects it with the numbers if it could never fit."""
+        prompt_len, max_tokens = len(request.prompt_token_ids), request.sampling_params.max_tokens
+        if prompt_len + max_tokens > self.config.max_model_len:
+            raise InvalidRequestError(
+                context_length_error(self.config.max_model_len, prompt_len, max_tokens),
+                param="input_tokens",
+            )
+        pages = -(-(prompt_len + max_tokens) // self.kv_cache.page_size)
+        if pages > self.kv_cache.num_pages:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {pages} KV cache "
+                f"pages but the whole cache has {self.kv_cache.num_pages} pages of "
+                f"{self.kv_cache.page_size} tokens",
+                param="max_tokens",
+            )
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        self._requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Ends a request (stopped, at its length, or aborted) and frees its pages."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self._waiting = [e for e in self._waiting if e[3] is not request]
+            heapq.heapify(self._waiting)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        self.kv_cache.free(request.request_id)
+        del self._requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORT)
+        return request
+
+    # ---- the per-step decision ---------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=_serving_order)
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:  # pages are short: admit nobody new this step
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            while self.kv_cache.allocate(request.request_id, total) is None:
+                victim = self.running.pop()  # lowest priority, newest
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._waiting[0][3]
+            cached_pages, num_cached = self.kv_cache.find_cached_prefix(request.all_token_ids)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if (
+                self.kv_cache.allocate(request.request_id, num_cached + num_new, cached_pages)
+                is None
+            ):
+                return
+            heapq.heappop(self._waiting)
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+                request.scheduled_time = time.monotonic()
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_cached, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        entry = (request.priority, request.arrival_time, next(self._order), request)
+        heapq.heappush(self._waiting, entry)
+
+    # ---- after the step ----------------------------------------------------------------------
+
+    def update_after_step(self, out: SchedulerOutput) -> list[Request]:
+        """Records the computed tokens; returns the requests whose sampled token counts (their
+        step reached the last known token; a prefill chunk short of it samples nothing)."""
+        completed = []
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens = s.start + s.num_new_tokens
+            self.kv_cache.commit_full_pages(
+                request.request_id, request.all_token_ids, request.num_computed_tokens
+            )
+            if s.completes_sequence:
+                completed.append(request)
+        return completed
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+
+def _serving_order(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)

@@ -1,0 +1,214 @@
+"""The engine end to end on a tiny random Llama: paged incremental decode against one full
+forward, batched greedy output against the naive oracle run alone, prefix caching, preemption,
+seeded sampling and the compilation count."""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from engine import compilation, naive
+from engine.batch import BatchBuilder, BatchShapes
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache import KVCacheManager
+from engine.llm_engine import LLMEngine, run_to_completion
+from engine.request import Request, SamplingParams
+from engine.scheduler import Scheduler
+from engine.step import StepOptions, forward_logits
+from engine.tokenizer import load_tokenizer
+from engine.weights import open_checkpoint, resolve_model
+from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
+from tests.engine.tiny_model import VOCAB_SIZE, write_tiny_checkpoint
+
+PAGE = 4  # small pages, so that short sequences cross many page boundaries
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+    checkpoint = open_checkpoint(resolve_model(str(directory)))
+    return checkpoint.cfg, checkpoint.load_params(), load_tokenizer(directory)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny) -> LLMEngine:
+    cfg, params, tokenizer = tiny
+    return LLMEngine(
+        cfg,
+        params,
+        tokenizer,
+        cache_config=CacheConfig(page_size=PAGE, num_pages=512),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256
+        ),
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest):
+    """After every test that used the engine, every page is free again."""
+    yield
+    if "engine" in request.fixturenames:
+        engine = request.getfixturevalue("engine")
+        assert not engine.has_unfinished_requests()
+        engine.kv_cache.check_invariants()
+        assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def oracle(tiny, prompt: list[int], max_tokens: int) -> list[int]:
+    cfg, params, _ = tiny
+    return list(naive.generate(params, cfg, prompt, naive.NaiveSampling(max_tokens=max_tokens)))
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(VOCAB_SIZE) for _ in range(length)]
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):
+    ids = [f"req-{i}-{random.random()}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(request_id, prompt, p)
+    return run_to_completion(engine, ids)
+
+
+def test_incremental_paged_decode_equals_one_full_forward(tiny) -> None:
+    """Two requests prefilled in chunks of at most 7 tokens (so chunks straddle pages of 4),
+    mixed with each other's decodes; every step's logits must equal the full forward's."""
+    cfg, params, _ = tiny
+    kv = KVCacheManager(64, PAGE)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=7, max_model_len=64)
+    scheduler = Scheduler(config, kv)
+    shapes = BatchShapes.create(
+        max_num_batched_tokens=7, max_num_seqs=4, max_model_len=64, page_size=PAGE
+    )
+    builder = BatchBuilder(shapes, PAGE)
+    spec = KVCacheSpec(64, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    caches = [init_kv_pages(spec) for _ in range(cfg.num_layers)]
+    run = jax.jit(forward_logits, static_argnames="options")
+    rng = random.Random(0)
+    requests = [
+        Request(f"r{i}", random_prompt(rng, n), greedy(6), seed=0) for i, n in enumerate((13, 6))
+    ]
+    for r in requests:
+        scheduler.add_request(r)
+    recorded: dict[str, list[tuple[int, np.ndarray]]] = {r.request_id: [] for r in requests}
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        batch = builder.build(out, kv, penalties=False)
+        logits, caches = run(params, caches, jax.device_put(batch), options=StepOptions(cfg))
+        for i, s in enumerate(out.scheduled):
+            position = s.start + s.num_new_tokens - 1
+            recorded[s.request.request_id].append((position, np.asarray(logits[i])))
+        for r in scheduler.update_after_step(out):
+            r.output_token_ids.append(int(np.argmax(recorded[r.request_id][-1][1])))
+            if len(r.output_token_ids) == 6:
+                scheduler.finish(r, r.finish_reason or _length())
+    for r in requests:
+        full = np.asarray(naive.sequence_logits(params, np.asarray([r.all_token_ids]), cfg=cfg))[0]
+        positions = [p for p, _ in recorded[r.request_id]]
+        assert len(positions) > 6  # several chunks, then the decodes
+        for position, step_logits in recorded[r.request_id]:
+            np.testing.assert_allclose(step_logits, full[position], atol=1e-5, rtol=0)
+
+
+def _length():
+    from engine.request import FinishReason
+
+    return FinishReason.LENGTH
+
+
+def test_batched_greedy_equals_each_request_alone(tiny, engine: LLMEngine) -> None:
+    rng = random.Random(1)
+    prompts = [random_prompt(rng, rng.randint(1, 40)) for _ in range(64)]
+    lengths = [rng.randint(1, 12) for _ in range(64)]
+    outputs = generate(engine, prompts, [greedy(n) for n in lengths])
+    for prompt, n, output in zip(prompts, lengths, outputs, strict=True):
+        assert output.outputs[0].token_ids == oracle(tiny, prompt, n)
+        assert output.outputs[0].finish_reason == "length"
+
+
+def test_prefix_cache_skips_shared_pages(tiny, engine: LLMEngine) -> None:
+    rng = random.Random(2)
+    shared = random_prompt(rng, 3 * PAGE)
+    first, second = shared + random_prompt(rng, 5), shared + random_prompt(rng, 7)
+    generate(engine, [first], [greedy(4)])
+    before = engine.stats.num_computed_prompt_tokens
+    [output] = generate(engine, [second], [greedy(4)])
+    assert engine.stats.num_computed_prompt_tokens - before == len(second) - 3 * PAGE
+    assert output.num_cached_tokens == 3 * PAGE
+    assert output.outputs[0].token_ids == oracle(tiny, second, 4)
+
+
+def test_preemption_under_a_small_cache_keeps_outputs(tiny, engine: LLMEngine) -> None:
+    """14 pages (56 token slots) for 8 requests of up to 6 pages each: requests are preempted
+    and recomputed, and every one still gets its unconstrained greedy output."""
+    saved = engine.kv_cache, engine.scheduler
+    engine.kv_cache = KVCacheManager(14, PAGE)
+    engine.scheduler = Scheduler(engine.scheduler_config, engine.kv_cache)
+    try:
+        rng = random.Random(3)
+        prompts = [random_prompt(rng, rng.randint(6, 12)) for _ in range(8)]
+        outputs = generate(engine, prompts, [greedy(12)] * 8)
+        assert engine.scheduler.num_preemptions > 0
+        for prompt, output in zip(prompts, outputs, strict=True):
+            assert output.outputs[0].token_ids == oracle(tiny, prompt, 12)
+        engine.kv_cache.check_invariants()
+        assert engine.kv_cache.num_free_pages == 14
+    finally:
+        engine.kv_cache, engine.scheduler = saved
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine: LLMEngine) -> None:
+    rng = random.Random(4)
+    prompt = random_prompt(rng, 9)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    [alone] = generate(engine, [prompt], [params])
+    others = [random_prompt(rng, rng.randint(1, 20)) for _ in range(5)]
+    other_params = [SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True)] * 5
+    *_, crowded = generate(engine, [*others, prompt], [*other_params, params])
+    assert crowded.outputs[0].token_ids == alone.outputs[0].token_ids
+    unseeded = [p.replace(seed=None) for p in [params] * 4]
+    samples = generate(engine, [prompt] * 4, unseeded)
+    assert len({tuple(s.outputs[0].token_ids) for s in samples}) > 1  # seeds differ when unset
+
+
+def test_n_sequences_share_the_prompt(engine: LLMEngine) -> None:
+    rng = random.Random(5)
+    prompt = random_prompt(rng, 3 * PAGE + 1)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    before = engine.stats.num_computed_prompt_tokens
+    [output] = generate(engine, [prompt], [params])
+    assert [o.index for o in output.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in output.outputs}) > 1
+    # The first sequence computes the prompt; the others find its full pages in the cache.
+    assert engine.stats.num_computed_prompt_tokens - before < 3 * len(prompt)
+
+
+def test_no_compilation_after_warm_up(engine: LLMEngine) -> None:
+    rng = random.Random(6)
+    before = compilation.count()
+    pending = []
+    for wave in range(10):
+        for i in range(20):
+            p = SamplingParams(
+                temperature=rng.choice([0.0, 0.8]),
+                top_k=rng.choice([0, 5]),
+                max_tokens=rng.randint(1, 10),
+                ignore_eos=rng.random() < 0.5,
+                seed=i,
+            )
+            request_id = f"wave{wave}-{i}"
+            engine.add_request(request_id, random_prompt(rng, rng.randint(1, 60)), p)
+            pending.append(request_id)
+        for _ in range(rng.randint(1, 5)):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert compilation.count() == before
