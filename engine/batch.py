@@ -11,12 +11,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.kv_cache import KVCacheManager
-from engine.request import MAX_LOGIT_BIAS, Request
+from engine.request import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, Request
 from engine.sampling import SamplingTensors
 from engine.scheduler import SchedulerOutput
 from engine.step import StepInput
 
-MIN_TOKEN_BUCKET = 16
+MIN_TOKEN_BUCKET = 1
+MAX_EOS_IDS = 8
+# Logit-bias slots per sequence: the user's bias, then the ids banned until min_tokens.
+BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_IDS
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -66,9 +69,10 @@ class BatchBuilder:
     """Fills two alternating sets of NumPy buffers (a buffer may still be aliased by the
     device array of the step in flight, so the next step writes the other set)."""
 
-    def __init__(self, shapes: BatchShapes, page_size: int):
+    def __init__(self, shapes: BatchShapes, page_size: int, eos_token_ids: tuple[int, ...] = ()):
         self.shapes = shapes
         self.page_size = page_size
+        self.eos_token_ids = eos_token_ids[:MAX_EOS_IDS]
         self._buffers = [self._allocate(), self._allocate()]
         self._turn = 0
 
@@ -86,6 +90,7 @@ class BatchBuilder:
             "kv_lens": np.zeros(s, np.int32),
             "page_table": np.zeros((s, p), np.int32),
             "logits_indices": np.zeros(s, np.int32),
+            "next_token_ids": np.full(t, -1, np.int32),
         }
 
     def build(
@@ -110,6 +115,8 @@ class BatchBuilder:
         self._turn ^= 1
         token_ids, positions, slots = buf["token_ids"], buf["positions"], buf["slot_mapping"]
         cu_q_lens, kv_lens, page_table = buf["cu_q_lens"], buf["kv_lens"], buf["page_table"]
+        next_ids = buf["next_token_ids"]
+        next_ids[:t] = -1
         offset = 0
         for i, scheduled in enumerate(out.scheduled):
             assert kv_cache is not None
@@ -122,6 +129,9 @@ class BatchBuilder:
                 pos % self.page_size
             )
             page_table[i, : len(table)] = table
+            if request.sampling_params.prompt_logprobs is not None:
+                following = request.prompt_token_ids[start + 1 : start + n + 1]
+                next_ids[offset : offset + len(following)] = following
             kv_lens[i] = start + n
             offset += n
             cu_q_lens[i + 1] = offset
@@ -142,15 +152,22 @@ class BatchBuilder:
             page_table=page_table[:s],
             num_seqs=np.int32(num_seqs),
             logits_indices=logits_indices[:s],
+            next_token_ids=next_ids[:t],
             sampling=self._sampling(out, s, penalties=penalties),
         )
 
     def _sampling(self, out: SchedulerOutput, s: int, *, penalties: bool) -> SamplingTensors:
         requests = [scheduled.request for scheduled in out.scheduled]
-        return sampling_tensors(requests, s, self.shapes.penalty_len if penalties else 0)
+        penalty_len = self.shapes.penalty_len if penalties else 0
+        return sampling_tensors(requests, s, penalty_len, self.eos_token_ids)
 
 
-def sampling_tensors(requests: list[Request], num_seqs: int, penalty_len: int) -> SamplingTensors:
+def sampling_tensors(
+    requests: list[Request],
+    num_seqs: int,
+    penalty_len: int,
+    eos_token_ids: tuple[int, ...] = (),
+) -> SamplingTensors:
     """Per-sequence sampling arrays for `requests`, padded to `num_seqs` rows with greedy
     defaults. Penalty id lists are only filled when `penalty_len` > 0."""
     n = len(requests)
@@ -161,12 +178,12 @@ def sampling_tensors(requests: list[Request], num_seqs: int, penalty_len: int) -
         array[:n] = values
         return array
 
-    bias_ids = np.full((num_seqs, MAX_LOGIT_BIAS), -1, np.int32)
-    bias_values = np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32)
-    for i, p in enumerate(params):
-        if p.logit_bias:
-            bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
-            bias_values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
+    bias_ids = np.full((num_seqs, BIAS_WIDTH), -1, np.int32)
+    bias_values = np.zeros((num_seqs, BIAS_WIDTH), np.float32)
+    for i, r in enumerate(requests):
+        ids, values = _bias(r, eos_token_ids)
+        bias_ids[i, : len(ids)] = ids
+        bias_values[i, : len(ids)] = values
     prompt_ids = np.full((num_seqs, penalty_len), -1, np.int32)
     output_ids = np.full((num_seqs, penalty_len), -1, np.int32)
     if penalty_len:
@@ -188,3 +205,13 @@ def sampling_tensors(requests: list[Request], num_seqs: int, penalty_len: int) -
         prompt_ids=prompt_ids,
         output_ids=output_ids,
     )
+
+
+def _bias(request: Request, eos_token_ids: tuple[int, ...]) -> tuple[list[int], list[float]]:
+    """The user's logit bias, plus -inf on EOS and stop ids while min_tokens is not reached."""
+    p = request.sampling_params
+    bias = dict(p.logit_bias or {})
+    if len(request.output_token_ids) < p.min_tokens:
+        banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
+        bias.update(dict.fromkeys(banned, -np.inf))
+    return list(bias), list(bias.values())

@@ -77,8 +77,8 @@ class CacheConfig:
     """The paged KV cache: page size and how much memory it may take.
 
     Exactly one budget applies: `num_pages` if given, else `memory_bytes`, else
-    `memory_fraction` of the device memory left after the weights (like vLLM's
-    `--gpu-memory-utilization`; on CPU the fraction is of available host memory).
+    `memory_fraction` of the accelerator memory left after the weights (like vLLM's
+    `--gpu-memory-utilization`); on CPU the default is a fixed 2 GiB.
     """
 
     page_size: int = 16

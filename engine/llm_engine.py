@@ -28,7 +28,9 @@ from engine.request import (
     RequestOutput,
     SamplingParams,
     validate_prompt,
+    validate_token_ids,
 )
+from engine.sampling import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step import StepOutput
 from engine.tokenizer import Tokenizer
@@ -79,7 +81,12 @@ class LLMEngine:
         )
         cache_config = cache_config or CacheConfig()
         self.runner = ModelRunner(
-            cfg, params, cache_config, self.scheduler_config, attention_impl=attention_impl
+            cfg,
+            params,
+            cache_config,
+            self.scheduler_config,
+            attention_impl=attention_impl,
+            eos_token_ids=tokenizer.eos_token_ids,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_pages,
@@ -117,6 +124,7 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         validate_prompt(ids, self.cfg.vocab_size)
+        validate_token_ids(params, self.cfg.vocab_size)
         children = [self._child(request_id, i, ids, params, priority) for i in range(params.n)]
         self.scheduler.add_request(children[0])  # raises if the request can never fit
         outputs = [
@@ -155,13 +163,16 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        result = self.runner.execute(
-            out,
-            self.kv_cache,
-            penalties=_any_penalties(out),
-            num_top_logprobs=_max_logprobs(out),
+        params = [s.request.sampling_params for s in out.scheduled]
+        options = self.runner.options(
+            penalties=any(p.uses_penalties for p in params),
+            logprobs=any(p.logprobs is not None for p in params),
+            prompt_logprobs=any(p.prompt_logprobs is not None for p in params),
         )
+        result = self.runner.execute(out, self.kv_cache, options)
         completed = self.scheduler.update_after_step(out)
+        if result.prompt is not None:
+            _record_prompt_logprobs(out, result.prompt)
         self.stats.num_steps += 1
         self.stats.num_computed_prompt_tokens += _prompt_tokens_run(out)
         return self._postprocess(out, completed, result)
@@ -210,6 +221,8 @@ class LLMEngine:
             )
             for i, (child, seq) in enumerate(zip(parent.children, parent.outputs, strict=True))
         ]
+        first = parent.children[0]
+        wants_prompt_logprobs = first.sampling_params.prompt_logprobs is not None
         if finished:
             del self._parents[parent.request_id]
             for child in parent.children:
@@ -219,17 +232,9 @@ class LLMEngine:
             parent.prompt_token_ids,
             outputs,
             finished,
-            num_cached_tokens=parent.children[0].num_cached_tokens,
+            prompt_logprobs=first.prompt_logprobs if wants_prompt_logprobs else None,
+            num_cached_tokens=first.num_cached_tokens,
         )
-
-
-def _any_penalties(out: SchedulerOutput) -> bool:
-    return any(s.request.sampling_params.uses_penalties for s in out.scheduled)
-
-
-def _max_logprobs(out: SchedulerOutput) -> int:
-    wanted = [s.request.sampling_params.logprobs or 0 for s in out.scheduled]
-    return max(wanted, default=0)
 
 
 def _prompt_tokens_run(out: SchedulerOutput) -> int:
@@ -239,7 +244,24 @@ def _prompt_tokens_run(out: SchedulerOutput) -> int:
     )
 
 
-def _logprob_entry(result: StepOutput, row: int, k: int) -> dict[int, float]:
+def _record_prompt_logprobs(out: SchedulerOutput, prompt: SamplerOutput) -> None:
+    """Each scheduled prompt token's successor: its logprob and the top-k (vLLM's shape: the
+    first prompt token has None). Positions seen before (after a preemption) are skipped."""
+    offset = 0
+    for s in out.scheduled:
+        request, k = s.request, s.request.sampling_params.prompt_logprobs
+        if k is not None:
+            entries = request.prompt_logprobs
+            if not entries:
+                entries.append(None)
+            for j in range(s.num_new_tokens):
+                if s.start + j + 1 == len(entries) < len(request.prompt_token_ids):
+                    entries.append(_logprob_entry(prompt, offset + j, k))
+        offset += s.num_new_tokens
+
+
+def _logprob_entry(result: StepOutput | SamplerOutput, row: int, k: int) -> dict[int, float]:
+    """{token: logprob} of the chosen token and the top k at `row`."""
     entry = {
         int(t): float(lp)
         for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k], strict=True)

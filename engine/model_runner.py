@@ -6,7 +6,6 @@ Boundary code: the only place (with the loaders) that moves arrays between host 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ from engine.batch import BatchBuilder, BatchShapes
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.errors import XlaserveError
 from engine.models.layers import Params
+from engine.request import MAX_LOGPROBS
 from engine.scheduler import SchedulerOutput
 from engine.step import StepInput, StepOptions, StepOutput, jitted_step
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
@@ -30,22 +30,27 @@ def _platform() -> str:
     return jax.devices()[0].platform
 
 
-def _free_memory_bytes() -> int:
-    """Memory the KV cache may draw on: the device's free memory, or host RAM on CPU."""
-    stats = jax.devices()[0].memory_stats() if _platform() != "cpu" else None
+CPU_DEFAULT_KV_BYTES = 2 << 30  # like vLLM's CPU backend: a fixed space, not a RAM fraction
+
+
+def _kv_budget_bytes(cache: CacheConfig) -> int:
+    """The KV cache's memory: as configured, else a fraction of the accelerator's free memory
+    (after the weights, which are already placed), else a fixed default on CPU."""
+    if cache.memory_bytes is not None:
+        return cache.memory_bytes
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        free = int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        return int(free * cache.memory_fraction)
+    return CPU_DEFAULT_KV_BYTES
 
 
-def num_pages_for(cfg: ModelConfig, cache: CacheConfig, spec_page_bytes: int) -> int:
+def num_pages_for(cache: CacheConfig, page_bytes: int) -> int:
     if cache.num_pages is not None:
         return cache.num_pages
-    budget = cache.memory_bytes
-    if budget is None:
-        budget = int(_free_memory_bytes() * cache.memory_fraction)
     try:
-        return kv_cache.pages_for_memory(budget, spec_page_bytes)
+        return kv_cache.pages_for_memory(_kv_budget_bytes(cache), page_bytes)
     except ValueError as e:
         raise XlaserveError(str(e)) from e
 
@@ -61,6 +66,7 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         *,
         attention_impl: str | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         compilation.install()
         self.cfg = cfg
@@ -68,7 +74,7 @@ class ModelRunner:
         self.attention_impl = attention_impl
         one_page = self._kv_spec(num_pages=1, page_size=cache_config.page_size)
         page_bytes = int(np.prod(one_page.shape)) * np.dtype(cfg.dtype).itemsize * cfg.num_layers
-        self.num_pages = num_pages_for(cfg, cache_config, page_bytes)
+        self.num_pages = num_pages_for(cache_config, page_bytes)
         self.kv_spec = one_page.replace(num_pages=self.num_pages)
         self.kv_caches = self._init_caches()
         self.page_size = cache_config.page_size
@@ -79,7 +85,7 @@ class ModelRunner:
             max_model_len=scheduler_config.max_model_len,
             page_size=cache_config.page_size,
         )
-        self.builder = BatchBuilder(self.shapes, cache_config.page_size)
+        self.builder = BatchBuilder(self.shapes, cache_config.page_size, eos_token_ids)
         self._compiled: dict[tuple[int, int, StepOptions], Any] = {}
 
     def _kv_spec(self, *, num_pages: int, page_size: int) -> KVCacheSpec:
@@ -102,8 +108,22 @@ class ModelRunner:
 
     # ---- compilation ---------------------------------------------------------------------
 
-    def options(self, *, penalties: bool = False, num_top_logprobs: int = 0) -> StepOptions:
-        return StepOptions(self.cfg, self.attention_impl, penalties, num_top_logprobs)
+    def options(
+        self,
+        *,
+        penalties: bool = False,
+        logprobs: bool = False,
+        prompt_logprobs: bool = False,
+    ) -> StepOptions:
+        """The step variant a batch needs. Logprob counts are rounded up to MAX_LOGPROBS so that
+        each feature adds at most one variant per bucket (compiled on first use)."""
+        return StepOptions(
+            self.cfg,
+            self.attention_impl,
+            apply_penalties=penalties,
+            num_top_logprobs=MAX_LOGPROBS if logprobs else 0,
+            num_prompt_logprobs=MAX_LOGPROBS if prompt_logprobs else None,
+        )
 
     def warm_up(self, *, progress: bool = True) -> float:
         """Compiles the step for every bucket; returns the seconds it took."""
@@ -140,14 +160,11 @@ class ModelRunner:
         self,
         out: SchedulerOutput,
         kv_manager: kv_cache.KVCacheManager,
-        *,
-        penalties: bool,
-        num_top_logprobs: int,
+        options: StepOptions,
     ) -> StepOutput:
         """Runs one step; returns its outputs in NumPy (rows past the batch are padding)."""
-        batch = self.builder.build(out, kv_manager, penalties=penalties)
+        batch = self.builder.build(out, kv_manager, penalties=options.apply_penalties)
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
-        options = self.options(penalties=penalties, num_top_logprobs=num_top_logprobs)
         executable = self._executable(t, s, options)
         result, self.kv_caches = executable(self.params, self.kv_caches, jax.device_put(batch))
         return jax.tree.map(np.asarray, result)

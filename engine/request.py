@@ -15,6 +15,7 @@ from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
+MAX_STOP_TOKEN_IDS = 32
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,11 @@ class SamplingParams:
             len(self.logit_bias or {}) <= MAX_LOGIT_BIAS,
             "logit_bias",
             f"may have at most {MAX_LOGIT_BIAS} entries",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"may have at most {MAX_STOP_TOKEN_IDS} entries",
         )
 
     @property
@@ -174,6 +180,20 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
+
+
+def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in the sampling parameters must exist in the vocabulary."""
+    for name, ids in (
+        ("logit_bias", params.logit_bias or {}),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{name} token id {bad[0]} is out of range for a vocabulary of {vocab_size}",
+                param=name,
+            )
 
 
 def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:

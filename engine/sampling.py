@@ -220,12 +220,17 @@ def _sample_rows(
 ) -> jax.Array:  # i32[S]
     """Steps 3-6: greedy argmax, or temperature, truncation and a draw with the row's key."""
     is_greedy = t.temperature == 0
-    greedy_ids = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.where(is_greedy, 1.0, t.temperature)[:, None]
-    cutoff = truncation_cutoff(scaled, t.top_k, t.top_p, t.min_p)
-    truncated = jnp.where(scaled < cutoff[:, None], -jnp.inf, scaled)
-    drawn = jax.vmap(jax.random.categorical)(_row_keys(t.seeds, t.output_index), truncated)
-    return jnp.where(is_greedy, greedy_ids, drawn).astype(jnp.int32)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw() -> jax.Array:
+        scaled = logits / jnp.where(is_greedy, 1.0, t.temperature)[:, None]
+        cutoff = truncation_cutoff(scaled, t.top_k, t.top_p, t.min_p)
+        truncated = jnp.where(scaled < cutoff[:, None], -jnp.inf, scaled)
+        drawn = jax.vmap(jax.random.categorical)(_row_keys(t.seeds, t.output_index), truncated)
+        return jnp.where(is_greedy, greedy_ids, drawn).astype(jnp.int32)
+
+    # An all-greedy batch skips the per-row sort over the vocabulary (a runtime branch).
+    return jax.lax.cond(jnp.all(is_greedy), lambda: greedy_ids, draw)
 
 
 def _gather_logprobs(

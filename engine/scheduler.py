@@ -139,7 +139,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._waiting[0][3]
-            cached_pages, num_cached = self.kv_cache.find_cached_prefix(request.all_token_ids)
+            cached_pages: list[int] = []
+            num_cached = 0
+            if request.sampling_params.prompt_logprobs is None:  # those need every position
+                cached_pages, num_cached = self.kv_cache.find_cached_prefix(request.all_token_ids)
             num_new = min(request.num_tokens - num_cached, budget)
             if (
                 self.kv_cache.allocate(request.request_id, num_cached + num_new, cached_pages)

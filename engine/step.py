@@ -33,6 +33,7 @@ class StepInput:
     page_table: Any  # i32[S, P]
     num_seqs: Any  # i32[]
     logits_indices: Any  # i32[S]; each sequence's last scheduled token
+    next_token_ids: Any  # i32[T]; for prompt logprobs: the prompt token after each, or -1
     sampling: sampling.SamplingTensors
 
 
@@ -43,6 +44,7 @@ class StepOutput:
     logprobs: Any  # f32[S]
     top_ids: Any  # i32[S, K]
     top_logprobs: Any  # f32[S, K]
+    prompt: sampling.SamplerOutput | None = None  # per token [T]; when prompt logprobs are asked
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,14 @@ class StepOptions:
     attention_impl: str | None = None  # None: by platform
     apply_penalties: bool = False
     num_top_logprobs: int = 0
+    num_prompt_logprobs: int | None = None  # None: no prompt logprobs
 
 
-def forward_logits(
-    params: Params, kv_caches: Any, batch: StepInput, *, options: StepOptions
+def _forward(
+    params: Params, kv_caches: Any, batch: StepInput, options: StepOptions
 ) -> tuple[jax.Array, Any]:
     """Runs the model over the batch's tokens, writing their K/V into the paged caches;
-    returns the logits f32[S, V] at each sequence's last scheduled token, and the caches."""
+    returns the final hidden states f[T, D] and the caches."""
     cfg = options.cfg
     scale = registry.family(cfg).sm_scale(cfg)
 
@@ -78,24 +81,39 @@ def forward_logits(
         )
         return out, kv_pages
 
-    hidden, kv_caches = registry.forward(
-        params, batch.token_ids, batch.positions, kv_caches, attention, cfg=cfg
-    )
-    return registry.compute_logits(params, hidden[batch.logits_indices], cfg=cfg), kv_caches
+    return registry.forward(params, batch.token_ids, batch.positions, kv_caches, attention, cfg=cfg)
+
+
+def forward_logits(
+    params: Params, kv_caches: Any, batch: StepInput, *, options: StepOptions
+) -> tuple[jax.Array, Any]:
+    """The logits f32[S, V] at each sequence's last scheduled token, and the updated caches."""
+    hidden, kv_caches = _forward(params, kv_caches, batch, options)
+    logits = registry.compute_logits(params, hidden[batch.logits_indices], cfg=options.cfg)
+    return logits, kv_caches
 
 
 def step(
     params: Params, kv_caches: Any, batch: StepInput, *, options: StepOptions
 ) -> tuple[StepOutput, Any]:
     """Returns the sampled tokens of every sequence and the updated KV caches."""
-    logits, kv_caches = forward_logits(params, kv_caches, batch, options=options)
+    hidden, kv_caches = _forward(params, kv_caches, batch, options)
+    logits = registry.compute_logits(params, hidden[batch.logits_indices], cfg=options.cfg)
     sampled = sampling.sample(
         logits,
         batch.sampling,
         apply_penalties=options.apply_penalties,
         num_top_logprobs=options.num_top_logprobs,
     )
-    out = StepOutput(sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+    prompt = None
+    if options.num_prompt_logprobs is not None:
+        all_logits = registry.compute_logits(params, hidden, cfg=options.cfg)  # f32[T, V]
+        prompt = sampling.prompt_logprobs(
+            all_logits, batch.next_token_ids, num_top=options.num_prompt_logprobs
+        )
+    out = StepOutput(
+        sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs, prompt
+    )
     return out, kv_caches
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -16,6 +17,9 @@ from engine.config import DTYPES
 from engine.errors import XlaserveError
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CACHE_DIR = os.path.join(
+    os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "xlaserve", "xla"
+)
 log = logging.getLogger("xlaserve")
 
 
@@ -64,6 +68,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help=f"alias ({DEFAULT_MODEL}), Hugging Face checkpoint directory, or .gguf file",
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument(
+        "--compilation-cache-dir",
+        default=DEFAULT_CACHE_DIR,
+        help="persistent XLA compilation cache ('' to disable)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -82,15 +91,18 @@ def _non_negative_float(text: str) -> float:
 
 def _generate(args: argparse.Namespace) -> int:
     # Imported here so that `xlaserve --help` and argument errors answer without loading JAX.
-    from engine import naive
     from engine.chat_template import render_chat
-    from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+    from engine.tokenizer import load_tokenizer
     from engine.weights import open_checkpoint, resolve_model
 
+    _enable_compilation_cache(args.compilation_cache_dir)
     checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
     tokenizer = load_tokenizer(checkpoint.files.path)
     start = time.perf_counter()
-    cfg, params = checkpoint.cfg, checkpoint.load_params()
+    params = checkpoint.load_params()
     log.info("loaded %s in %.1f s", checkpoint.files.path, time.perf_counter() - start)
 
     if args.chat is not None:
@@ -107,16 +119,41 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tokenizer.encode(args.prompt)
 
-    sampling = naive.NaiveSampling(
+    sampling = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    eos = set(tokenizer.eos_token_ids)
-    for token in naive.generate(params, cfg, prompt_ids, sampling, stop_ids=tuple(eos)):
-        if token not in eos:
-            print(detokenizer.add(token), end="", flush=True)
-    print(detokenizer.flush())
+    # One request: a small engine, compiled on demand (a server compiles every bucket up front).
+    max_model_len = min(checkpoint.cfg.max_position_embeddings, 4096)
+    page_size = 16
+    engine = LLMEngine(
+        checkpoint.cfg,
+        params,
+        tokenizer,
+        warm_up=False,
+        cache_config=CacheConfig(page_size, num_pages=-(-max_model_len // page_size)),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=1, max_num_batched_tokens=256, max_model_len=max_model_len
+        ),
+    )
+    engine.add_request("cli", prompt_ids, sampling)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            print(text[printed:], end="", flush=True)
+            printed = len(text)
+    print()
     return 0
+
+
+def _enable_compilation_cache(directory: str) -> None:
+    """XLA's persistent compilation cache: a second start with the same model and flags loads
+    its compiled steps instead of compiling them."""
+    import jax
+
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 if __name__ == "__main__":

@@ -12,39 +12,15 @@ import pytest
 
 from engine import compilation, naive
 from engine.batch import BatchBuilder, BatchShapes
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.step import StepOptions, forward_logits
-from engine.tokenizer import load_tokenizer
-from engine.weights import open_checkpoint, resolve_model
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
-from tests.engine.tiny_model import VOCAB_SIZE, write_tiny_checkpoint
-
-PAGE = 4  # small pages, so that short sequences cross many page boundaries
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-    checkpoint = open_checkpoint(resolve_model(str(directory)))
-    return checkpoint.cfg, checkpoint.load_params(), load_tokenizer(directory)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny) -> LLMEngine:
-    cfg, params, tokenizer = tiny
-    return LLMEngine(
-        cfg,
-        params,
-        tokenizer,
-        cache_config=CacheConfig(page_size=PAGE, num_pages=512),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256
-        ),
-    )
+from tests.engine.conftest import PAGE
+from tests.engine.tiny_model import VOCAB_SIZE
 
 
 @pytest.fixture(autouse=True)
