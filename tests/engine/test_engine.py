@@ -19,7 +19,7 @@ from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.step import StepOptions, forward_logits
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
-from tests.engine.conftest import PAGE
+from tests.conftest import PAGE
 from tests.engine.tiny_model import VOCAB_SIZE
 
 

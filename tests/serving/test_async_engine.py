@@ -1,0 +1,91 @@
+"""The asyncio front over the tiny engine: concurrent streams, aborts when the caller goes
+away, clear errors, and a dead engine loop reported instead of a hang."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, run_to_completion
+from engine.request import SamplingParams
+from serving.async_engine import AsyncEngine, EngineDeadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def front(engine: LLMEngine):
+    front = AsyncEngine(engine)
+    yield front
+    front.shutdown(timeout=5)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+
+
+async def collect(front: AsyncEngine, request_id: str, prompt: list[int]) -> list[int]:
+    last = None
+    async for output in front.generate(request_id, prompt, GREEDY):
+        last = output
+    assert last is not None and last.finished
+    return last.outputs[0].token_ids
+
+
+def test_concurrent_streams_equal_offline_generation(engine: LLMEngine, front) -> None:
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20, [10, 11]]
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(collect(front, f"s{i}", p) for i, p in enumerate(prompts)))
+
+    streamed = asyncio.run(main())
+    front.shutdown(timeout=5)  # the offline run below drives the engine itself
+    for i, p in enumerate(prompts):
+        engine.add_request(f"o{i}", p, GREEDY)
+    offline = run_to_completion(engine, [f"o{i}" for i in range(len(prompts))])
+    assert streamed == [o.outputs[0].token_ids for o in offline]
+
+
+def test_caller_going_away_aborts_the_request(engine: LLMEngine, front) -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = front.generate("leaver", [1, 2, 3], params)
+        await anext(stream)
+        await stream.aclose()  # what a disconnected client's handler does
+        for _ in range(100):  # the abort lands within one engine step
+            if not engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+
+
+def test_invalid_request_raises_at_once(front) -> None:
+    async def main() -> None:
+        async for _ in front.generate("bad", [], GREEDY):
+            pass
+
+    with pytest.raises(InvalidRequestError, match="at least one token"):
+        asyncio.run(main())
+    assert front.is_healthy
+
+
+def test_dead_engine_loop_is_reported(engine: LLMEngine, monkeypatch) -> None:
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    front = AsyncEngine(engine)
+
+    async def main() -> None:
+        async for _ in front.generate("victim", [1, 2], GREEDY):
+            pass
+
+    with pytest.raises(EngineDeadError, match="device lost"):
+        asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert not front.is_healthy
+    with pytest.raises(EngineDeadError):
+        asyncio.run(asyncio.wait_for(main(), timeout=10))
+    monkeypatch.undo()
+    engine.abort_request("victim")
