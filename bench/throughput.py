@@ -1,0 +1,185 @@
+"""Offline throughput of xlaserve against Hugging Face transformers' batched `generate`, on the
+same model, machine and prompts, in one run.
+
+    .venv/bin/python bench/throughput.py [--num-prompts 256] [--input-len 128:512]
+        [--output-len 128] [--hf-batch-size 16] [--skip-hf] [--write-results]
+
+Prompts are random token ids (fixed seed) with lengths drawn from --input-len; every request
+generates exactly --output-len tokens (EOS ignored), greedy. Also measures single-stream decode
+(one request, 512-token prompt) against the bandwidth floor: weight bytes read once per token at
+the machine's measured read bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+
+from bench import common
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine, run_to_completion
+from engine.request import SamplingParams
+from engine.tokenizer import load_tokenizer
+from engine.weights import open_checkpoint, param_count, resolve_model
+
+TITLE = "Offline throughput (bench/throughput.py)"
+
+
+@dataclass
+class Result:
+    system: str
+    seconds: float
+    num_requests: int
+    output_tokens: int
+
+    def row(self) -> str:
+        rps, tps = self.num_requests / self.seconds, self.output_tokens / self.seconds
+        return (
+            f"| {self.system} | {self.num_requests} | {self.seconds:.1f} | {rps:.2f} | {tps:.1f} |"
+        )
+
+
+def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    low = 256  # skip the first ids, where models keep their special tokens
+    return [[rng.randrange(low, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def run_xlaserve(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> Result:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    ids = [f"bench-{i}" for i in range(len(prompts))]
+    start = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    outputs = run_to_completion(engine, ids)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return Result("xlaserve (float32)", seconds, len(prompts), tokens)
+
+
+def single_stream_decode(engine: LLMEngine, output_len: int) -> float:
+    """Decode tokens/s of one request after a 512-token prompt (first token excluded)."""
+    [prompt] = make_prompts(1, (512, 512), engine.cfg.vocab_size, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    engine.add_request("single", prompt, params)
+    first = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if first is None and output.outputs[0].token_ids:
+                first = time.perf_counter()
+    assert first is not None
+    return (output_len - 1) / (time.perf_counter() - first)
+
+
+def run_transformers(path: str, prompts: list[list[int]], output_len: int, batch: int) -> Result:
+    import torch
+    import transformers
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    files = resolve_model(path)
+    kwargs = {"gguf_file": files.path.name} if files.is_gguf else {}
+    directory = files.path.parent if files.is_gguf else files.path
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, **kwargs
+    ).eval()
+    pad = 0
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        width = max(map(len, group))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        tokens += (out.shape[1] - width) * len(group)
+    return Result(
+        f"transformers {transformers.__version__} (float32, batch {batch})",
+        time.perf_counter() - start,
+        len(prompts),
+        tokens,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", default="128:512", help="fixed N or a range LOW:HIGH")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--write-results", action="store_true")
+    args = parser.parse_args()
+    low, _, high = args.input_len.partition(":")
+    lengths = (int(low), int(high or low))
+
+    checkpoint = open_checkpoint(resolve_model(args.model))
+    params = checkpoint.load_params()
+    engine = LLMEngine(
+        checkpoint.cfg,
+        params,
+        load_tokenizer(checkpoint.files.path),
+        cache_config=CacheConfig(page_size=16),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max(lengths[1], 512) + max(args.output_len, 64),
+        ),
+    )
+    prompts = make_prompts(args.num_prompts, lengths, checkpoint.cfg.vocab_size)
+    results = [run_xlaserve(engine, prompts, args.output_len)]
+    decode = single_stream_decode(engine, min(args.output_len, 64))
+    if not args.skip_hf:
+        results.append(run_transformers(args.model, prompts, args.output_len, args.hf_batch_size))
+
+    weight_bytes = param_count(params) * 4
+    read_gbs = common.memory_bandwidth_gbs()
+    floor = read_gbs * 1e9 / weight_bytes
+    lines = [
+        *common.preamble(
+            ".venv/bin/python bench/throughput.py " + " ".join(sys.argv[1:]),
+            {"jax": jax.__version__},
+        ),
+        f"- model: {args.model}, float32 weights ({weight_bytes / 1e6:.0f} MB)",
+        f"- workload: {args.num_prompts} prompts of {args.input_len} tokens, "
+        f"{args.output_len} output tokens each, greedy, EOS ignored",
+        "",
+        "| system | requests | seconds | requests/s | output tokens/s |",
+        "|---|---|---|---|---|",
+        *(r.row() for r in results),
+        "",
+    ]
+    if len(results) == 2:
+        ratio = (results[0].output_tokens / results[0].seconds) / (
+            results[1].output_tokens / results[1].seconds
+        )
+        lines.append(f"Output throughput ratio xlaserve / transformers: {ratio:.2f}x (target 3x).")
+    lines.append(
+        f"Single-stream decode after a 512-token prompt: {decode:.1f} tokens/s; bandwidth floor "
+        f"{floor:.1f} tokens/s (weights once per token at {read_gbs:.1f} GB/s read): "
+        f"{decode / floor:.0%} of it (target 60%)."
+    )
+    text = "\n".join(lines)
+    print(text)
+    if args.write_results:
+        common.write_section(TITLE, text)
+
+
+if __name__ == "__main__":
+    main()
