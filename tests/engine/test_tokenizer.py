@@ -24,10 +24,10 @@ from engine.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     TokenizerError,
-    _byte_level_pre_tokenizer,
     load_tokenizer,
     tokenizer_from_gguf,
 )
+from engine.tokenizer_gguf import _byte_level_pre_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
