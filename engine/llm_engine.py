@@ -140,8 +140,10 @@ class LLMEngine:
     def _child(
         self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int
     ) -> Request:
-        # Child i of a seeded request uses seed + i, so n samples differ but are reproducible.
-        seed = params.seed + index if params.seed is not None else random.getrandbits(31)
+        # Child i of a seeded request uses seed + i, so n samples differ but are reproducible;
+        # any integer seed is taken modulo 2**32, the width of the device's seed array.
+        user_seed = params.seed
+        seed = random.getrandbits(32) if user_seed is None else (user_seed + index) % 2**32
         child_id = request_id if params.n == 1 else f"{request_id}#{index}"
         return Request(child_id, list(ids), params, seed=seed, priority=priority)
 
@@ -169,8 +171,11 @@ class LLMEngine:
             logprobs=any(p.logprobs is not None for p in params),
             prompt_logprobs=any(p.prompt_logprobs is not None for p in params),
         )
-        result = self.runner.execute(out, self.kv_cache, options)
+        pending = self.runner.dispatch(out, self.kv_cache, options)
+        # While the device computes: bookkeeping that needs the schedule but not the tokens
+        # (computed counts, prefix-cache hashes of the pages this step fills).
         completed = self.scheduler.update_after_step(out)
+        result = self.runner.fetch(pending)
         if result.prompt is not None:
             _record_prompt_logprobs(out, result.prompt)
         self.stats.num_steps += 1
@@ -217,7 +222,9 @@ class LLMEngine:
                 token_ids=list(child.output_token_ids),
                 finish_reason=child.finish_reason.value if child.finish_reason else None,
                 stop_reason=child.stop_reason,
-                logprobs=child.logprobs if child.sampling_params.logprobs is not None else None,
+                logprobs=list(child.logprobs)
+                if child.sampling_params.logprobs is not None
+                else None,
             )
             for i, (child, seq) in enumerate(zip(parent.children, parent.outputs, strict=True))
         ]
@@ -234,7 +241,14 @@ class LLMEngine:
             finished,
             prompt_logprobs=first.prompt_logprobs if wants_prompt_logprobs else None,
             num_cached_tokens=first.num_cached_tokens,
+            arrival_time=first.arrival_time,
+            scheduled_time=first.scheduled_time,
         )
+
+
+def _copy_if(entries: list[dict[int, float]], wanted: bool) -> list[dict[int, float]] | None:
+    """A snapshot: the request's own list keeps growing on the engine thread."""
+    return list(entries) if wanted else None
 
 
 def _prompt_tokens_run(out: SchedulerOutput) -> int:

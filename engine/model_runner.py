@@ -156,15 +156,26 @@ class ModelRunner:
 
     # ---- execution -------------------------------------------------------------------------
 
-    def execute(
+    def dispatch(
         self,
         out: SchedulerOutput,
         kv_manager: kv_cache.KVCacheManager,
         options: StepOptions,
     ) -> StepOutput:
-        """Runs one step; returns its outputs in NumPy (rows past the batch are padding)."""
+        """Starts one step and returns at once; its outputs are device arrays still being
+        computed (`fetch` waits for them), so the host can work in the meantime."""
         batch = self.builder.build(out, kv_manager, penalties=options.apply_penalties)
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
         executable = self._executable(t, s, options)
         result, self.kv_caches = executable(self.params, self.kv_caches, jax.device_put(batch))
+        return result
+
+    @staticmethod
+    def fetch(result: StepOutput) -> StepOutput:
+        """The step's outputs in NumPy (rows past the batch are padding)."""
         return jax.tree.map(np.asarray, result)
+
+    def execute(
+        self, out: SchedulerOutput, kv_manager: kv_cache.KVCacheManager, options: StepOptions
+    ) -> StepOutput:
+        return self.fetch(self.dispatch(out, kv_manager, options))

@@ -16,6 +16,7 @@ from engine.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
 MAX_STOP_TOKEN_IDS = 32
+MAX_N = 128  # sequences per request
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n}")
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, "top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
@@ -180,6 +181,8 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
+    arrival_time: float | None = None  # time.monotonic() when the engine took the request
+    scheduled_time: float | None = None  # ... when it was first scheduled (queue time: the gap)
 
 
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:

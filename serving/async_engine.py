@@ -12,8 +12,9 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine.errors import XlaserveError
 from engine.llm_engine import LLMEngine
@@ -57,7 +58,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs as they grow; the last one has `finished` set.
 
         Raises InvalidRequestError for a request that can't be served, and EngineDeadError if
@@ -74,10 +75,12 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request_id, prompt, params, priority=priority)
             except BaseException as e:
-                loop.call_soon_threadsafe(_settle, accepted, e)
+                _call_soon(loop, _settle, accepted, e)
                 return
-            self._streams[request_id] = stream
-            loop.call_soon_threadsafe(_settle, accepted, None)
+            if _call_soon(loop, _settle, accepted, None):
+                self._streams[request_id] = stream
+            else:  # the caller's event loop closed meanwhile
+                self.engine.abort_request(request_id)
 
         self._post(add)
         await accepted
@@ -153,16 +156,28 @@ class AsyncEngine:
             return
         if output.finished:
             del self._streams[output.request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+        if not _call_soon(stream.loop, stream.queue.put_nowait, output):
+            self._streams.pop(output.request_id, None)  # nobody is left to listen
+            self.engine.abort_request(output.request_id)
 
     def _abort_all(self, error: BaseException | None = None) -> None:
         error = error or EngineDeadError("server shutting down")
         for future in list(self._admissions):
-            future.get_loop().call_soon_threadsafe(_settle, future, error)
+            _call_soon(future.get_loop(), _settle, future, error)
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            _call_soon(stream.loop, stream.queue.put_nowait, error)
         self._streams.clear()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> bool:
+    """Schedules `callback` on a caller's loop; False if that loop is closed (a caller that
+    went away without closing its stream, e.g. a server thread that stopped)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

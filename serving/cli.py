@@ -1,4 +1,4 @@
-"""The `xlaserve` command line: `xlaserve generate` (and, as they land, serve/bench/convert).
+"""The `xlaserve` command line: `xlaserve generate`, `xlaserve serve` (bench/convert to come).
 
 Errors meant for the user (a missing model, a corrupt file, a bad request) are printed as one
 line and exit with status 1; argument errors exit with argparse's status 2.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -58,7 +59,81 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(run=_generate)
+    _add_serve_parser(commands)
     return parser
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (and gRPC)")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=None, help="also serve gRPC here")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None, help="model id (default: --model)")
+    serve.add_argument(
+        "--max-model-len", type=_positive_int, default=None, help="default: min(model's, 4096)"
+    )
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    serve.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="KV cache size, e.g. 2GiB or 500MB (default: half the free accelerator memory; "
+        "2 GiB on CPU)",
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=_non_negative_int,
+        default=1024,
+        help="answer 503 when more requests than this wait for their first token",
+    )
+    serve.add_argument("--max-request-bytes", type=parse_bytes, default=8 * 2**20)
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        help="seconds running requests get to finish on SIGTERM or Ctrl-C",
+    )
+    serve.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from serving.serve import run_serve
+
+    return run_serve(args)
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000, '1e9' -> 1000000000."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 2GiB, 500MB)")
+    try:
+        value = int(float(match.group(1)) * _BYTE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +154,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

@@ -4,6 +4,7 @@ away, clear errors, and a dead engine loop reported instead of a hang."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -58,6 +59,21 @@ def test_caller_going_away_aborts_the_request(engine: LLMEngine, front) -> None:
             await asyncio.sleep(0.01)
 
     asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_closed_caller_loop_aborts_the_request(engine: LLMEngine, front) -> None:
+    """A caller whose event loop closed without closing its stream (a server thread that
+    stopped) must not take the engine loop down with it."""
+    loop = asyncio.new_event_loop()
+    stream = front.generate("orphan", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+    loop.run_until_complete(anext(stream))
+    loop.close()  # the stream stays registered: only closing the iterator would abort it
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        time.sleep(0.01)
+    assert front.is_healthy
     assert not engine.has_unfinished_requests()
 
 

@@ -1,0 +1,104 @@
+"""Prometheus metrics named after vLLM's (`vllm:` -> `xlaserve:`), in a registry per app.
+
+Engine state (queue lengths, KV usage, token counters) is read when scraped; latency histograms
+are observed by the HTTP layer as requests finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine import compilation
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters at scrape time (plain ints and lengths: safe to read from
+    the server thread while the engine thread steps)."""
+
+    def __init__(self, engine: Callable[[], LLMEngine | None], model_name: str):
+        self._engine = engine
+        self._labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine()
+        if engine is None:
+            return
+        scheduler, kv, stats = engine.scheduler, engine.kv_cache, engine.stats
+        gauges = [
+            ("num_requests_running", "Sequences in the running batch.", scheduler.num_running),
+            ("num_requests_waiting", "Sequences waiting to be scheduled.", scheduler.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV cache pages in use (0 to 1).", kv.usage),
+            ("num_compiled_steps", "Compiled step variants.", engine.runner.num_compiled),
+        ]
+        counters = [
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             kv.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_cache_hits),
+            ("prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens),
+            ("generation_tokens", "Tokens generated.", stats.num_generation_tokens),
+            ("num_preemptions", "Requests preempted for lack of KV pages.",
+             scheduler.num_preemptions),
+            ("compilations", "XLA compilations in this process.", compilation.count()),
+        ]  # fmt: skip
+        for name, doc, value in gauges:
+            yield self._family(GaugeMetricFamily, name, doc, value)
+        for name, doc, value in counters:
+            yield self._family(CounterMetricFamily, name, doc, value)
+
+    def _family(self, kind: type[Any], name: str, doc: str, value: float) -> Metric:
+        family = kind(f"xlaserve:{name}", doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), value)
+        return family
+
+
+class ServerMetrics:
+    def __init__(self, engine: Callable[[], LLMEngine | None], model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        self._model = model_name
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(
+                f"xlaserve:{name}", doc, ["model_name"], registry=self.registry, buckets=buckets
+            )
+            return metric
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "Time per output token after the first.",
+            _TOKEN_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds", "Time a request waited to be scheduled.", _LATENCY_BUCKETS
+        )
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.labels(self._model).observe(seconds)
+
+    def finished(self, output: RequestOutput, started: float, first: float, now: float) -> None:
+        self.e2e.labels(self._model).observe(now - started)
+        tokens = max(len(c.token_ids) for c in output.outputs)
+        if tokens > 1:
+            self.tpot.labels(self._model).observe((now - first) / (tokens - 1))
+        if output.scheduled_time is not None and output.arrival_time is not None:
+            self.queue.labels(self._model).observe(output.scheduled_time - output.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

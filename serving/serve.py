@@ -1,0 +1,180 @@
+"""`xlaserve serve`: the OpenAI-compatible HTTP server (and gRPC, with --grpc-port).
+
+The HTTP server starts first, answering /health with 503 while the model loads and compiles on
+a thread of its own; then the engine is attached and a log line gives the address. SIGTERM or
+Ctrl-C stops taking connections, lets running requests finish for --shutdown-timeout seconds,
+then cancels (aborting) what is left and stops the engine loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import logging
+import signal
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from tqdm import tqdm
+
+from engine.errors import XlaserveError
+from engine.tokenizer import Tokenizer
+from serving.async_engine import AsyncEngine
+from serving.openai import attach_engine, create_app
+
+log = logging.getLogger("xlaserve.serve")
+ENGINE_STOP_TIMEOUT = 5.0  # after the HTTP side drained, what the engine loop still gets
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serves until SIGTERM or Ctrl-C; returns the exit status."""
+    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    name = args.served_model_name or args.model
+    app = create_app(
+        None,
+        None,
+        name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        max_body_bytes=args.max_request_bytes,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info" if args.verbose else "warning",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        lifespan="off",
+    )
+    server = _Server(config)
+    return asyncio.run(_serve(args, app, server, name))
+
+
+async def _serve(args: argparse.Namespace, app: Any, server: _Server, name: str) -> int:
+    loop = asyncio.get_running_loop()
+    loaded: dict[str, Any] = {}
+
+    def on_loaded(async_engine: AsyncEngine, tokenizer: Tokenizer) -> None:
+        loaded["engine"] = async_engine
+        attach_engine(app, async_engine, tokenizer)
+        if args.grpc_port is not None:
+            try:
+                loaded["grpc"] = _start_grpc(async_engine, tokenizer, args, name)
+            except Exception as e:  # e.g. the port is taken
+                on_failed(e)
+                return
+        log.info("serving %s at http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
+
+    def on_failed(error: BaseException) -> None:
+        loaded["error"] = error
+        server.should_exit = True
+
+    def load() -> None:
+        try:
+            result = load_engine(args)
+        except BaseException as e:
+            loop.call_soon_threadsafe(on_failed, e)
+        else:
+            loop.call_soon_threadsafe(on_loaded, *result)
+
+    def stop_grpc() -> None:
+        handle = loaded.pop("grpc", None)
+        if handle is not None:
+            handle.stop(grace=args.shutdown_timeout)
+
+    # gRPC drains while HTTP does: the signal starts its stop at once.
+    server.on_exit = threading.Thread(target=stop_grpc, name="grpc-stop", daemon=True)
+    threading.Thread(target=load, name="model-loader", daemon=True).start()
+    await server.serve()
+    if server.on_exit.ident is None:
+        server.on_exit.start()
+    await asyncio.to_thread(server.on_exit.join)
+    if "engine" in loaded:
+        await asyncio.to_thread(loaded["engine"].shutdown, ENGINE_STOP_TIMEOUT)
+    if "error" in loaded:
+        raise loaded["error"]
+    log.info("stopped")
+    return 0
+
+
+def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
+    """Loads the model and compiles the engine's steps, with progress bars."""
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.tokenizer import load_tokenizer
+    from engine.weights import open_checkpoint, resolve_model
+    from serving.cli import _enable_compilation_cache
+
+    _enable_compilation_cache(args.compilation_cache_dir)
+    with tqdm(total=2, desc="loading model", unit="part") as bar:
+        checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
+        tokenizer = load_tokenizer(checkpoint.files.path)
+        bar.update()
+        params = checkpoint.load_params()
+        bar.update()
+    max_model_len = args.max_model_len or min(checkpoint.cfg.max_position_embeddings, 4096)
+    try:
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        cache_config = CacheConfig(memory_bytes=args.kv_cache_memory)
+    except ValueError as e:
+        raise XlaserveError(str(e)) from e
+    engine = LLMEngine(
+        checkpoint.cfg,
+        params,
+        tokenizer,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+    )
+    return AsyncEngine(engine), tokenizer
+
+
+def _start_grpc(
+    async_engine: AsyncEngine, tokenizer: Tokenizer, args: argparse.Namespace, name: str
+) -> Any:
+    if importlib.util.find_spec("serving.grpc.server") is None:
+        raise XlaserveError("--grpc-port given, but this build has no gRPC server")
+    from serving.grpc.server import start_grpc_server
+
+    handle = start_grpc_server(async_engine, tokenizer, args.grpc_port, name, host=args.host)
+    log.info("gRPC on %s:%d", args.host, handle.port)
+    return handle
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising the caught signal after its shutdown (which would
+    kill the process before the engine is stopped), plus a thread started on the first
+    SIGTERM or Ctrl-C."""
+
+    on_exit: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit and self.on_exit is not None:
+            # Not started here: starting a thread inside a signal handler can break threading.
+            asyncio.get_running_loop().call_soon_threadsafe(self._start_on_exit)
+        super().handle_exit(sig, frame)
+
+    def _start_on_exit(self) -> None:
+        if self.on_exit is not None and self.on_exit.ident is None:
+            self.on_exit.start()
+
+    @contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)

@@ -1,0 +1,258 @@
+"""Bad requests get their documented status and OpenAI's error shape, never a 500, and leave the
+server healthy. The table runs against the real server; the loading and queue-full states are
+checked on the app in-process with a stand-in engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from engine.tokenizer import load_tokenizer
+from serving.openai import create_app
+from tests.engine.tiny_model import write_byte_tokenizer
+from tests.serving.openai_server import API_KEY
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def cmpl(**fields):
+    return {"model": "tiny", "prompt": "hi", "max_tokens": 4, **fields}
+
+
+def chat(**fields):
+    return {"model": "tiny", "messages": USER, "max_tokens": 4, **fields}
+
+
+# (name, path, body: dict | bytes, headers, status, param)
+CASES = [
+    ("prompt of wrong type", CMPL, cmpl(prompt=5), None, 400, "prompt"),
+    ("max_tokens not a number", CMPL, cmpl(max_tokens="ten"), None, 400, "max_tokens"),
+    ("negative max_tokens", CMPL, cmpl(max_tokens=-1), None, 400, "max_tokens"),
+    ("zero max_tokens", CMPL, cmpl(max_tokens=0), None, 400, "max_tokens"),
+    ("huge max_tokens", CMPL, cmpl(max_tokens=10**9), None, 400, "input_tokens"),
+    ("negative temperature", CMPL, cmpl(temperature=-0.5), None, 400, "temperature"),
+    ("top_p over 1", CMPL, cmpl(top_p=1.5), None, 400, "top_p"),
+    ("top_p zero", CHAT, chat(top_p=0), None, 400, "top_p"),
+    ("n zero", CMPL, cmpl(n=0), None, 400, "n"),
+    ("n too large", CMPL, cmpl(n=1000), None, 400, "n"),
+    (
+        "presence_penalty out of range",
+        CMPL,
+        cmpl(presence_penalty=5),
+        None,
+        400,
+        "presence_penalty",
+    ),
+    ("logprobs over 20", CMPL, cmpl(logprobs=50), None, 400, "logprobs"),
+    ("min_tokens over max_tokens", CMPL, cmpl(min_tokens=9), None, 400, "min_tokens"),
+    ("empty stop string", CMPL, cmpl(stop=[""]), None, 400, "stop"),
+    ("logit_bias key not a token", CMPL, cmpl(logit_bias={"abc": 1}), None, 400, "logit_bias"),
+    ("logit_bias token out of vocab", CMPL, cmpl(logit_bias={"99999": 1}), None, 400, "logit_bias"),
+    ("negative stop token id", CMPL, cmpl(stop_token_ids=[-1]), None, 400, "stop_token_ids[0]"),
+    ("prompt token out of vocab", CMPL, cmpl(prompt=[1, 99999]), None, 400, "prompt"),
+    ("empty prompt list", CMPL, cmpl(prompt=[]), None, 400, "prompt"),
+    ("prompt over the context", CMPL, cmpl(prompt="x" * 300), None, 400, "input_tokens"),
+    ("empty messages", CHAT, chat(messages=[]), None, 400, "messages"),
+    ("no messages", CHAT, {"model": "tiny"}, None, 400, "messages"),
+    (
+        "unknown role",
+        CHAT,
+        chat(messages=[{"role": "wizard", "content": "x"}]),
+        None,
+        400,
+        "messages[0].role",
+    ),
+    (
+        "image content",
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        ),
+        None,
+        400,
+        "messages[0].content",
+    ),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), None, 400, "top_logprobs"),
+    (
+        "tools",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        None,
+        400,
+        "tools",
+    ),
+    (
+        "response_format json",
+        CHAT,
+        chat(response_format={"type": "json_object"}),
+        None,
+        400,
+        "response_format",
+    ),
+    ("best_of", CMPL, cmpl(best_of=3), None, 400, "best_of"),
+    ("suffix", CMPL, cmpl(suffix="!"), None, 400, "suffix"),
+    ("malformed JSON", CMPL, b'{"model": "tiny", "prompt": ', None, 400, None),
+    ("NaN temperature", CMPL, b'{"prompt": "a", "temperature": NaN}', None, 400, "temperature"),
+    ("body not an object", CMPL, b"[1, 2]", None, 400, None),
+    ("lone surrogate in prompt", CMPL, b'{"prompt": "a\\ud800"}', None, 400, "prompt"),
+    (
+        "lone surrogate in a message",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\udc00"}]}',
+        None,
+        400,
+        "messages[0].content",
+    ),
+    ("too many stop strings", CMPL, cmpl(stop=["x"] * 17), None, 400, "stop"),
+    ("unknown model", CMPL, cmpl(model="gpt-9"), None, 404, "model"),
+    ("unknown model in chat", CHAT, chat(model="gpt-9"), None, 404, "model"),
+    ("missing API key", CMPL, cmpl(), {}, 401, None),
+    ("wrong API key", CHAT, chat(), {"Authorization": "Bearer nope"}, 401, None),
+    ("oversized body", CMPL, cmpl(prompt="a" * (2 * 2**20)), None, 413, None),
+    ("detokenize out of vocab", "/detokenize", {"tokens": [99999]}, None, 400, "tokens"),
+    ("tokenize with nothing", "/tokenize", {"model": "tiny"}, None, 400, "prompt"),
+]
+
+TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
+
+
+@pytest.fixture(scope="module")
+def http(openai_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=openai_server.url, headers=headers, timeout=60) as client:
+        yield client
+
+
+def test_table_has_enough_cases() -> None:
+    assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "headers", "status", "param"), CASES, ids=[c[0] for c in CASES]
+)
+def test_bad_request(http, name, path, body, headers, status, param) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    if headers is not None:
+        http_headers = {"Content-Type": "application/json", **headers}
+        response = httpx.post(f"{http.base_url}{path}", headers=http_headers, timeout=60, **kwargs)
+    else:
+        response = http.post(path, headers={"Content-Type": "application/json"}, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["param"] == param and error["message"]
+    assert error["type"] == TYPES.get(status, error["type"])
+
+
+def test_context_error_uses_vllms_wording(http) -> None:
+    error = http.post(CMPL, json=cmpl(prompt="x" * 300, max_tokens=10)).json()["error"]
+    assert error["message"].startswith(
+        "This model's maximum context length is 256 tokens. However, you requested 10 output "
+        "tokens and your prompt contains 301 input tokens"
+    )
+
+
+def test_server_healthy_and_serving_after_the_table(http) -> None:
+    for name, path, body, headers, *_ in CASES:  # the whole table again, quickly
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        if headers is None and name != "oversized body":
+            http.post(path, headers={"Content-Type": "application/json"}, **kwargs)
+    assert http.get("/health").status_code == 200
+    out = http.post(CMPL, json=cmpl(max_tokens=3, ignore_eos=True)).json()
+    assert out["usage"]["completion_tokens"] == 3
+
+
+def test_unknown_path_and_method(http) -> None:
+    assert http.get("/v1/nothing").json()["error"]["code"] == 404
+    response = http.get(CMPL)
+    assert response.status_code == 405 and response.json()["error"]["code"] == 405
+
+
+# ---- in-process: loading and a full queue --------------------------------------------------
+
+
+class _StuckEngine:
+    """Stands in for AsyncEngine: accepts requests and never answers them."""
+
+    def __init__(self) -> None:
+        cfg = SimpleNamespace(vocab_size=260)
+        self.engine = SimpleNamespace(cfg=cfg, scheduler_config=SimpleNamespace(max_model_len=64))
+        self.is_healthy = True
+
+    async def generate(self, request_id, prompt, params, *, priority=0):
+        await asyncio.Event().wait()
+        yield  # pragma: no cover
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tok")
+    write_byte_tokenizer(directory)
+    return load_tokenizer(directory)
+
+
+def test_health_and_requests_answer_503_while_loading(byte_tokenizer) -> None:
+    async def main() -> None:
+        app = create_app(None, None, "tiny")
+        async with _client(app) as client:
+            assert (await client.get("/health")).status_code == 503
+            response = await client.post(CMPL, json=cmpl())
+            assert response.status_code == 503
+            assert response.json()["error"]["type"] == "ServiceUnavailableError"
+
+    asyncio.run(main())
+
+
+def test_more_than_max_queued_requests_get_503(byte_tokenizer) -> None:
+    async def main() -> None:
+        app = create_app(_StuckEngine(), byte_tokenizer, "tiny", max_queued_requests=1)  # type: ignore[arg-type]
+        async with _client(app) as client:
+            stuck = asyncio.create_task(client.post(CMPL, json=cmpl()))
+            await asyncio.sleep(0.2)
+            response = await client.post(CHAT, json=chat())
+            assert response.status_code == 503, response.text
+            assert "waiting" in response.json()["error"]["message"]
+            stuck.cancel()
+
+    asyncio.run(main())
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
+
+
+def test_error_events_are_json(http) -> None:
+    # A stream that fails before it starts is a plain 400, not an event stream.
+    response = http.post(CMPL, json=cmpl(stream=True, temperature=-1))
+    assert response.status_code == 400 and json.loads(response.text)["error"]["param"]
+
+
+def test_an_error_after_the_stream_began_is_an_event() -> None:
+    from engine.errors import InvalidRequestError
+    from serving.openai.generation import server_sent_events
+
+    async def chunks():
+        yield {"choices": []}
+        raise InvalidRequestError("went wrong", param="prompt")
+
+    async def main() -> list[str]:
+        return [event async for event in server_sent_events(chunks())]
+
+    first, error, done = asyncio.run(main())
+    assert first == 'data: {"choices": []}\n\n' and done == "data: [DONE]\n\n"
+    body = json.loads(error.removeprefix("data: "))
+    assert body == {
+        "error": {
+            "message": "went wrong",
+            "type": "BadRequestError",
+            "param": "prompt",
+            "code": 400,
+        }
+    }
