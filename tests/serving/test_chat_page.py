@@ -75,6 +75,7 @@ def test_reply_streams_into_the_transcript(page: Page) -> None:
     page.fill("#max_tokens", MAX_TOKENS)
     page.fill("#system", "You are a tiny random model.")
     page.fill("#message", "Hello! Who are you?")
+    page.evaluate(RECORD_LENGTHS)
     page.click("#send")
 
     lengths = watch_reply(page)
@@ -123,21 +124,25 @@ def test_a_rejected_request_shows_as_an_error(page: Page) -> None:
     expect(page.locator("#stop")).to_be_disabled()
 
 
+RECORD_LENGTHS = """() => {
+    // Every DOM update of the reply, recorded in the page: polling from the test could miss
+    // all but the last when a tiny model streams its whole reply within a few milliseconds.
+    window.replyLengths = [];
+    new MutationObserver(() => {
+        const bubble = document.querySelector("#transcript li.assistant");
+        if (bubble) window.replyLengths.push(bubble.textContent.length);
+    }).observe(document.querySelector("#transcript"),
+               {subtree: true, childList: true, characterData: true});
+}"""
+
+
 def watch_reply(page: Page, timeout: float = 30.0) -> list[int]:
-    """The assistant bubble's text length, polled until the stream ends (Stop disabled)."""
+    """The assistant bubble's successive text lengths, once the stream ends (Stop disabled).
+    Call `page.evaluate(RECORD_LENGTHS)` before sending."""
     page.wait_for_selector("#transcript li.assistant")
-    poll = """() => [document.querySelector("#transcript li.assistant").textContent.length,
-                     document.querySelector("#stop").disabled]"""
-    lengths: list[int] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        length, done = page.evaluate(poll)
-        if not lengths or length != lengths[-1]:
-            lengths.append(length)
-        if done:
-            return lengths
-        time.sleep(0.005)
-    raise AssertionError(f"the reply did not finish within {timeout} s: {lengths}")
+    expect(page.locator("#stop")).to_be_disabled(timeout=timeout * 1000)
+    lengths: list[int] = page.evaluate("() => window.replyLengths")
+    return [n for i, n in enumerate(lengths) if i == 0 or n != lengths[i - 1]]
 
 
 def requests_in_flight(server: Server) -> float:
