@@ -175,12 +175,18 @@ def _bits_to_f32(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(jnp.stack([jnp.zeros_like(x), x], -1), jnp.float32)
 
 
+def _block_pages(b: jax.Array, block_pages: int, width: int) -> jax.Array:
+    """Page-table columns of KV block b: i32[B]. Columns past the table repeat its last one;
+    their keys are past kv_len (at most width * page_size), so they are masked anyway."""
+    return jnp.minimum(b * block_pages + jnp.arange(block_pages), width - 1)
+
+
 def _decode_rows(
     out: jax.Array,  # f32[T, Hq, D]
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
-    page_table: jax.Array,  # i32[S, P + B]; padded so a block slice never clamps
+    page_table: jax.Array,  # i32[S, P]
     cu_q_lens: jax.Array,  # i32[S+1]
     num_seqs: jax.Array,  # i32[]
     *,
@@ -203,7 +209,7 @@ def _decode_rows(
 
     def kv_block(b: jax.Array, carry: Carry) -> Carry:
         with jax.named_scope("decode_kv_block"):
-            pages = lax.dynamic_slice_in_dim(page_table, b * block_pages, block_pages, axis=1)
+            pages = page_table[:, _block_pages(b, block_pages, page_table.shape[1])]  # i32[S, B]
             key = b * block + jnp.arange(block)  # i32[K]
             valid = key[None, :] < lens[:, None]  # bool[S, K]
             allowed = valid & (key[None, :] >= first[:, None])
@@ -223,7 +229,7 @@ def _prefill_rows(
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
-    page_table: jax.Array,  # i32[S, P + B]
+    page_table: jax.Array,  # i32[S, P]
     cu_q_lens: jax.Array,  # i32[S+1]
     num_seqs: jax.Array,  # i32[]
     *,
@@ -246,27 +252,26 @@ def _prefill_rows(
     multi = (jnp.arange(num_slots) < num_seqs) & (q_lens > 1)
     num_blocks = jnp.where(multi, (q_lens + q_block - 1) // q_block, 0)  # i32[S]
     ends = jnp.cumsum(num_blocks)  # i32[S]; query blocks of sequences 0..s
-    # Pad the rows so a query block that starts near the end is never shifted back by clamping.
-    q = jnp.pad(q, ((0, q_block), (0, 0), (0, 0)))  # [T + BQ, Hq, D]
-    out = jnp.pad(out, ((0, q_block), (0, 0), (0, 0)))  # f32[T + BQ, Hq, D]
 
     def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
         s = jnp.sum(ends <= i)  # the sequence that owns the i-th query block
         start = (i - ends[s] + num_blocks[s]) * q_block  # first row within the sequence
         q_len, kv_len, table = q_lens[s], kv_lens[s], page_table[s]
-        row = cu_q_lens[s] + start
-        local = start + jnp.arange(q_block)  # i32[BQ]; row index within the sequence
-        row_ok = local < q_len
+        # A block near the end of q is shifted back to fit; rows of the previous block or of
+        # another sequence that it then covers are left as they are.
+        row = jnp.minimum(cu_q_lens[s] + start, tokens - q_block)
+        local = row - cu_q_lens[s] + jnp.arange(q_block)  # i32[BQ]; row index within the sequence
+        row_ok = (local >= start) & (local < q_len)
         pos = kv_len - q_len + local  # i32[BQ]; absolute positions
         qb = lax.dynamic_slice_in_dim(q, row, q_block).astype(jnp.float32) * sm_scale
         qb = jnp.where(row_ok[:, None, None], qb, 0.0).reshape(q_block, num_kv_heads, group, -1)
         qb = qb.transpose(1, 2, 0, 3)  # f32[Hkv, G, BQ, D]
         last = jnp.minimum(pos[-1], kv_len - 1)
-        first = _window_start(pos[0], sliding_window)
+        first = _window_start(kv_len - q_len + start, sliding_window)  # of the first real row
 
         def kv_block(b: jax.Array, carry: Carry) -> Carry:
             with jax.named_scope("prefill_kv_block"):
-                pages = lax.dynamic_slice_in_dim(table, b * block_pages, block_pages)
+                pages = table[_block_pages(b, block_pages, table.shape[0])]  # i32[B]
                 key = b * block + jnp.arange(block)  # i32[K]
                 valid = key < kv_len
                 allowed = valid[None, :] & (key[None, :] <= pos[:, None])  # bool[BQ, K]
@@ -284,7 +289,7 @@ def _prefill_rows(
             out, jnp.where(row_ok[:, None, None], res, old), row, 0
         )
 
-    return lax.fori_loop(0, ends[-1], query_block, out)[:tokens]
+    return lax.fori_loop(0, ends[-1], query_block, out)
 
 
 def _ragged_paged_attention(
@@ -311,8 +316,7 @@ def _ragged_paged_attention(
     # Whole pages, at least one, and never wider than the page table (that would add only masks).
     prefill_pages = min(max(1, kv_block // page_size), page_table.shape[1])
     decode_pages = min(max(1, decode_kv_block // page_size), page_table.shape[1])
-    pad = max(prefill_pages, decode_pages)
-    page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pad)))  # i32[S, P + B]
+    page_table = page_table.astype(jnp.int32)
     kv_lens, cu_q_lens = kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
     num_seqs = jnp.minimum(num_seqs.astype(jnp.int32), kv_lens.shape[0])
     args = (q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
