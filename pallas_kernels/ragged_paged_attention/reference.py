@@ -44,9 +44,10 @@ SCORE_BLOCK_BYTES = 2 << 20
 # Few sequences would get huge blocks; past ~512 keys a bigger block only adds masked work.
 DECODE_BLOCK_BYTES = 2 << 20
 DECODE_MAX_BLOCK = 512
-# Heads this wide are gathered per (page, kv head) straight into the heads-major layout the einsums
-# want; narrower ones as whole pages, transposed after: at D=64 the 256-byte slices of the first
-# gather cost more than the transpose (32 seqs x 1,024 decode ~15-20% faster), at D=128 less.
+# Heads this wide, and bf16 caches, are gathered per (page, kv head) straight into the heads-major
+# layout the einsums want; narrower f32 heads as whole pages, transposed after: at D=64 the
+# 256-byte slices of the first gather cost more than the transpose (32 seqs x 1,024 decode ~15-20%
+# faster), at D=128 less; for bf16 widening the whole page block made decode ~10-60% slower.
 HEAD_MAJOR_MIN_DIM = 128
 
 Carry = tuple[jax.Array, jax.Array, jax.Array]  # running max, softmax denominator, accumulator
@@ -147,14 +148,14 @@ def _gather_block(
     """K and V of whole pages as f32[..., Hkv, K, D] each: heads-major, so both attention einsums
     are plain batched matmuls with the batch dims leading.
 
-    Narrow heads: one gather of whole pages, then a transpose; wide heads (HEAD_MAJOR_MIN_DIM):
+    Narrow f32 heads: one gather of whole pages, then a transpose; otherwise (HEAD_MAJOR_MIN_DIM)
     one gather each for K and V of [page_size, D] slices indexed by (page, combined head).
     Slots past kv_len (the unused tail of a last page, pages past the sequence's) may hold NaN:
     V there is zeroed, because a zero weight times NaN is NaN; K there only reaches scores that
     the caller masks with `where`.
     """
     num_pages, _, combined, head_dim = kv_pages.shape
-    if head_dim < HEAD_MAJOR_MIN_DIM:
+    if head_dim < HEAD_MAJOR_MIN_DIM and kv_pages.dtype == jnp.float32:
         block = _bits_to_f32(_as_bits(kv_pages)[jnp.clip(pages, 0, num_pages - 1)])
         block = block.reshape(*valid.shape, combined // 2, 2, head_dim)  # f32[..., K, Hkv, 2, D]
         k, v = jnp.moveaxis(block[..., 0, :], -2, -3), jnp.moveaxis(block[..., 1, :], -2, -3)
