@@ -4,20 +4,24 @@
 
 CPU section (always): the pure-jnp reference, the CPU production path, on a decode batch of
 32 sequences x 1,024 context and one 2,048-token prefill, for SmolLM2-like heads (Hq=9, Hkv=3,
-D=64) and Llama-like heads (Hq=32, Hkv=8, D=128). Decode reports KV bytes read per second, prefill
-causal FLOP/s (4 * q * ctx * Hq * D / 2); compare with shared/BASELINES.md (~30 GB/s read,
-150-230 GFLOP/s f32 on the 2-core CPU).
+D=64) and Llama-like heads (Hq=32, Hkv=8, D=128), and one SmolLM2 sequence decoding at 512.
+Decode reports KV bytes read per second, prefill causal FLOP/s (4 * q * ctx * Hq * D / 2);
+compare with shared/BASELINES.md (~30 GB/s read, 150-230 GFLOP/s f32 on the 2-core CPU).
 
 GPU section (only when jax.default_backend() == "gpu"): decode bandwidth as a fraction of the HBM
 peak measured here with a large device copy, and prefill TFLOP/s, for impl="gpu" vs "reference".
 
-Times are medians over repeats after a warm-up call; never assert on them.
+Each workload is one jitted call site (the engine has one per layer): "compile s" is the wall
+time to lower and compile it. Times are medians over repeats after a warm-up call; never assert
+on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -87,10 +91,11 @@ def make_inputs(w: Workload, seed: int = 0) -> tuple[jax.Array, ...]:
 class Timing:
     seconds: float  # median wall time of one call
     cores: float  # process CPU time / wall time over the repeats: how many cores were busy
+    compile_seconds: float = float("nan")  # wall time to lower and compile one call site
 
 
 def measure(fn: Callable[[], jax.Array], repeats: int) -> Timing:
-    jax.block_until_ready(fn())  # compile and warm up
+    jax.block_until_ready(fn())  # warm up
     times = []
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     for _ in range(repeats):
@@ -102,9 +107,16 @@ def measure(fn: Callable[[], jax.Array], repeats: int) -> Timing:
 
 
 def time_attention(w: Workload, impl: str, repeats: int) -> Timing:
+    """One jitted call site, as the engine has one per layer: its compile time, then its runs."""
     args = make_inputs(w)
-    scale = w.heads[2] ** -0.5
-    return measure(lambda: ragged_paged_attention(*args, sm_scale=scale, impl=impl), repeats)
+    call = jax.jit(
+        functools.partial(ragged_paged_attention, sm_scale=w.heads[2] ** -0.5, impl=impl)
+    )
+    start = time.perf_counter()
+    compiled = call.lower(*args).compile()
+    compile_seconds = time.perf_counter() - start
+    timing = measure(lambda: compiled(*args), repeats)
+    return dataclasses.replace(timing, compile_seconds=compile_seconds)
 
 
 def row(w: Workload, impl: str, timing: Timing, peak_gbs: float | None = None) -> str:
@@ -117,18 +129,21 @@ def row(w: Workload, impl: str, timing: Timing, peak_gbs: float | None = None) -
     frac = f" ({rate / peak_gbs:.0%} of peak)" if decode and peak_gbs else ""
     return (
         f"| {w.name} | {w.heads} | {w.dtype} | {impl} | {seconds * 1e3:.2f} | "
-        f"{w.tokens / seconds:,.0f} | {rate:,.1f} {unit}{frac} | {timing.cores:.1f} |"
+        f"{w.tokens / seconds:,.0f} | {rate:,.1f} {unit}{frac} | {timing.cores:.1f} | "
+        f"{timing.compile_seconds:.2f} |"
     )
 
 
 HEADER = (
-    "| workload | (Hq, Hkv, D) | dtype | impl | median ms | tokens/s | achieved | cores busy |\n"
-    "|---|---|---|---|---|---|---|---|"
+    "| workload | (Hq, Hkv, D) | dtype | impl | median ms | tokens/s | achieved | cores busy "
+    "| compile s |\n"
+    "|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def cpu_workloads() -> list[Workload]:
-    out = []
+    # One sequence at a typical chat depth: the per-call overhead of a batch-1 decode step.
+    out = [Workload("decode 1x512 (smollm2)", (1,), (512,), HEADS["smollm2"], "float32")]
     for model, heads in HEADS.items():
         for dtype in ("float32", "bfloat16"):
             out.append(Workload(f"decode 32x1024 ({model})", (1,) * 32, (1024,) * 32, heads, dtype))
@@ -204,6 +219,7 @@ def report(repeats: int) -> str:
         "- limits (shared/BASELINES.md): ~30 GB/s streaming read with 2 threads (14-16 GB/s on"
         " one core), 150-230 GFLOP/s f32 matmul with 2 threads",
         "- cores busy: process CPU time / wall time; other workers share these 2 cores",
+        "- compile s: wall time to lower and compile the workload's one jitted call site",
         "",
         HEADER,
         *cpu_section(repeats),

@@ -8,14 +8,15 @@ Work is linear in the sum over sequences of (query tokens x that sequence's cont
 - Decode rows (sequences with one query token) are done together, vectorised over the S sequence
   slots: a loop over KV blocks of `decode_kv_block` tokens gathers each sequence's pages of that
   block through the page table, up to the longest decode context in the batch.
-- Every other sequence (prefill, chunked prefill) goes through a loop over the runtime number of
-  sequences, then over query blocks of `q_block` rows, then over the KV blocks of `kv_block` tokens
-  that the query block can see (causal end, sliding-window start).
+- Every other sequence (prefill, chunked prefill) goes through one loop over the (sequence, query
+  block of `q_block` rows) pairs of multi-token sequences only, then over the KV blocks of
+  `kv_block` tokens that the query block can see (causal end, sliding-window start).
 
-Both use an online softmax in float32 (whatever the input dtype) and mask with `where`, never by
-multiplication, so NaN in unused pages, padding slots or padding q rows never reaches a real row.
-Keys past a sequence's kv_len are read from its key 0 instead of their slot, so the values that a
-zero weight multiplies are always finite.
+Both gather whole pages (not tokens) through the page table into a heads-major layout, so that the
+einsums are batched matmuls with the batch dims leading; both use an online softmax in float32
+(whatever the input dtype) and mask with `where`, never by multiplication, so NaN in unused pages,
+unused tail slots, padding slots or padding q rows never reaches a real row: scores of keys past a
+sequence's kv_len become -inf, and V there is zeroed before it meets its zero weight.
 
 On CPU prefer a float32 cache. XLA:CPU cannot gather bf16, so the reference gathers the cache's
 bits as uint16; XLA still materialises that uint16 view once per call (one read and write of the
@@ -40,7 +41,14 @@ DEFAULT_Q_BLOCK = 128  # query rows per block of a multi-token sequence
 SCORE_BLOCK_BYTES = 2 << 20
 # Decode gathers one KV block for all S sequences at once; keeping that f32 copy of K and V near
 # 2 MiB (in cache) measured fastest: ~32 tokens for 32 seqs x (Hkv=3, D=64), one page for (8, 128).
+# Few sequences would get huge blocks; past ~512 keys a bigger block only adds masked work.
 DECODE_BLOCK_BYTES = 2 << 20
+DECODE_MAX_BLOCK = 512
+# Heads this wide, and bf16 caches, are gathered per (page, kv head) straight into the heads-major
+# layout the einsums want; narrower f32 heads as whole pages, transposed after: at D=64 the
+# 256-byte slices of the first gather cost more than the transpose (32 seqs x 1,024 decode ~15-20%
+# faster), at D=128 less; for bf16 widening the whole page block made decode ~10-60% slower.
+HEAD_MAJOR_MIN_DIM = 128
 
 Carry = tuple[jax.Array, jax.Array, jax.Array]  # running max, softmax denominator, accumulator
 
@@ -107,7 +115,7 @@ def _softmax_step(
     scores = jnp.where(allowed, scores, -jnp.inf)
     m_new = jnp.maximum(m, scores.max(axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet
-    p = jnp.where(allowed, jnp.exp(scores - m_safe[..., None]), 0.0)
+    p = jnp.exp(scores - m_safe[..., None])  # 0 where masked: exp(-inf)
     alpha = jnp.exp(m - m_safe)
     denom_new = alpha * denom + p.sum(axis=-1)
     acc_new = alpha[..., None] * acc + jnp.einsum(pv, p, values)
@@ -132,18 +140,33 @@ def _window_start(pos: jax.Array, sliding_window: int | None) -> jax.Array:
     return jnp.maximum(pos - sliding_window + 1, 0)
 
 
-def _gather_heads_major(
+def _gather_block(
     kv_pages: jax.Array,  # dtype[num_pages, page_size, 2*Hkv, D]
-    slots: jax.Array,  # i32[..., K] token slots (page * page_size + offset) of one KV block
+    pages: jax.Array,  # i32[..., B] page ids of one KV block, any values
+    valid: jax.Array,  # bool[..., B * page_size] key < kv_len
 ) -> tuple[jax.Array, jax.Array]:
-    """K and V of the given slots as f32[..., Hkv, K, D] each: heads-major, so both attention
-    einsums are plain batched matmuls with the batch dims leading (no transposes in XLA:CPU).
+    """K and V of whole pages as f32[..., Hkv, K, D] each: heads-major, so both attention einsums
+    are plain batched matmuls with the batch dims leading.
+
+    Narrow f32 heads: one gather of whole pages, then a transpose; otherwise (HEAD_MAJOR_MIN_DIM)
+    one gather each for K and V of [page_size, D] slices indexed by (page, combined head).
+    Slots past kv_len (the unused tail of a last page, pages past the sequence's) may hold NaN:
+    V there is zeroed, because a zero weight times NaN is NaN; K there only reaches scores that
+    the caller masks with `where`.
     """
-    num_pages, page_size, combined, _ = kv_pages.shape
-    flat = _as_bits(kv_pages).reshape(num_pages * page_size, combined, -1)
-    heads = 2 * jnp.arange(combined // 2, dtype=jnp.int32)  # i32[Hkv]; K's combined head
-    slot, head = jnp.broadcast_arrays(slots[..., None, :], heads[:, None])  # i32[..., Hkv, K]
-    return _bits_to_f32(flat[slot, head]), _bits_to_f32(flat[slot, head + 1])
+    num_pages, _, combined, head_dim = kv_pages.shape
+    if head_dim < HEAD_MAJOR_MIN_DIM and kv_pages.dtype == jnp.float32:
+        block = _bits_to_f32(_as_bits(kv_pages)[jnp.clip(pages, 0, num_pages - 1)])
+        block = block.reshape(*valid.shape, combined // 2, 2, head_dim)  # f32[..., K, Hkv, 2, D]
+        k, v = jnp.moveaxis(block[..., 0, :], -2, -3), jnp.moveaxis(block[..., 1, :], -2, -3)
+        return k, jnp.where(valid[..., None, :, None], v, 0.0)
+    page = jnp.clip(pages, 0, num_pages - 1)[..., None, :]  # i32[..., 1, B]
+    head = 2 * jnp.arange(combined // 2, dtype=jnp.int32)[:, None]  # i32[Hkv, 1]; K's head
+    bits = _as_bits(kv_pages)
+    shape = (*valid.shape[:-1], combined // 2, valid.shape[-1], head_dim)
+    k = _bits_to_f32(bits[page, :, head]).reshape(shape)  # f32[..., Hkv, K, D]
+    v = _bits_to_f32(bits[page, :, head + 1]).reshape(shape)
+    return k, jnp.where(valid[..., None, :, None], v, 0.0)
 
 
 def _as_bits(x: jax.Array) -> jax.Array:
@@ -163,18 +186,10 @@ def _bits_to_f32(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(jnp.stack([jnp.zeros_like(x), x], -1), jnp.float32)
 
 
-def _block_slots(
-    pages: jax.Array,  # i32[..., B] page ids of one KV block, any values
-    valid: jax.Array,  # bool[..., B * page_size] key < kv_len
-    fallback: jax.Array,  # i32[...] slot of the sequence's key 0
-    num_pages: int,
-    page_size: int,
-) -> jax.Array:
-    """Token slots of a block; keys past kv_len read key 0 instead (real, finite data), so NaN in
-    unused slots never meets the zero weight that masks it (0 * NaN = NaN)."""
-    page = jnp.clip(pages, 0, num_pages - 1)
-    slots = (page[..., :, None] * page_size + jnp.arange(page_size)).reshape(valid.shape)
-    return jnp.where(valid, slots, fallback[..., None])
+def _block_pages(b: jax.Array, block_pages: int, width: int) -> jax.Array:
+    """Page-table columns of KV block b: i32[B]. Columns past the table repeat its last one;
+    their keys are past kv_len (at most width * page_size), so they are masked anyway."""
+    return jnp.minimum(b * block_pages + jnp.arange(block_pages), width - 1)
 
 
 def _decode_rows(
@@ -182,7 +197,7 @@ def _decode_rows(
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
-    page_table: jax.Array,  # i32[S, P + B]; padded so a block slice never clamps
+    page_table: jax.Array,  # i32[S, P]
     cu_q_lens: jax.Array,  # i32[S+1]
     num_seqs: jax.Array,  # i32[]
     *,
@@ -193,11 +208,7 @@ def _decode_rows(
 ) -> jax.Array:
     """Attention for every sequence with exactly one query, all sequences at once."""
     tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads = (
-        kv_pages.shape[0],
-        kv_pages.shape[1],
-        kv_pages.shape[2] // 2,
-    )
+    num_kv_heads, page_size = kv_pages.shape[2] // 2, kv_pages.shape[1]
     group, block = num_q_heads // num_kv_heads, block_pages * page_size
     num_slots = kv_lens.shape[0]
     is_decode = (jnp.arange(num_slots) < num_seqs) & (cu_q_lens[1:] - cu_q_lens[:-1] == 1)
@@ -206,16 +217,14 @@ def _decode_rows(
     qd = q[jnp.minimum(rows, tokens - 1)].astype(jnp.float32) * sm_scale  # f32[S, Hq, D]
     qd = jnp.where(is_decode[:, None, None], qd, 0.0).reshape(num_slots, num_kv_heads, group, -1)
     first = _window_start(lens - 1, sliding_window)  # i32[S]
-    fallback = jnp.clip(page_table[:, 0], 0, num_pages - 1) * page_size  # i32[S]
 
     def kv_block(b: jax.Array, carry: Carry) -> Carry:
         with jax.named_scope("decode_kv_block"):
-            pages = lax.dynamic_slice_in_dim(page_table, b * block_pages, block_pages, axis=1)
+            pages = page_table[:, _block_pages(b, block_pages, page_table.shape[1])]  # i32[S, B]
             key = b * block + jnp.arange(block)  # i32[K]
             valid = key[None, :] < lens[:, None]  # bool[S, K]
             allowed = valid & (key[None, :] >= first[:, None])
-            slots = _block_slots(pages, valid, fallback, num_pages, page_size)  # i32[S, K]
-            k, v = _gather_heads_major(kv_pages, slots)  # f32[S, Hkv, K, D]
+            k, v = _gather_block(kv_pages, pages, valid)  # f32[S, Hkv, K, D]
             scores = _cap(jnp.einsum("shgd,shkd->shgk", qd, k), logit_soft_cap)
             return _softmax_step(carry, scores, allowed[:, None, None, :], v, "shgk,shkd->shgd")
 
@@ -231,7 +240,7 @@ def _prefill_rows(
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
-    page_table: jax.Array,  # i32[S, P + B]
+    page_table: jax.Array,  # i32[S, P]
     cu_q_lens: jax.Array,  # i32[S+1]
     num_seqs: jax.Array,  # i32[]
     *,
@@ -241,59 +250,57 @@ def _prefill_rows(
     q_block: int,
     block_pages: int,
 ) -> jax.Array:
-    """Attention for every sequence with more than one query, a sequence at a time."""
+    """Attention for every sequence with more than one query, one query block at a time.
+
+    One loop over the (sequence, query block) pairs of multi-token sequences only, so a batch
+    of decodes costs nothing here.
+    """
     tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads = (
-        kv_pages.shape[0],
-        kv_pages.shape[1],
-        kv_pages.shape[2] // 2,
-    )
+    num_kv_heads, page_size = kv_pages.shape[2] // 2, kv_pages.shape[1]
     group, block = num_q_heads // num_kv_heads, block_pages * page_size
-    # Pad the rows so a query block that starts near the end is never shifted back by clamping.
-    q = jnp.pad(q, ((0, q_block), (0, 0), (0, 0)))  # [T + BQ, Hq, D]
-    out = jnp.pad(out, ((0, q_block), (0, 0), (0, 0)))  # f32[T + BQ, Hq, D]
+    num_slots = kv_lens.shape[0]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[S]
+    multi = (jnp.arange(num_slots) < num_seqs) & (q_lens > 1)
+    num_blocks = jnp.where(multi, (q_lens + q_block - 1) // q_block, 0)  # i32[S]
+    ends = jnp.cumsum(num_blocks)  # i32[S]; query blocks of sequences 0..s
 
-    def sequence(s: jax.Array, out: jax.Array) -> jax.Array:
-        begin, q_len, kv_len = cu_q_lens[s], cu_q_lens[s + 1] - cu_q_lens[s], kv_lens[s]
-        table = page_table[s]  # i32[P + B]
-        fallback = jnp.clip(table[0], 0, num_pages - 1) * page_size  # i32[]
+    def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
+        s = jnp.sum(ends <= i)  # the sequence that owns the i-th query block
+        start = (i - ends[s] + num_blocks[s]) * q_block  # first row within the sequence
+        q_len, kv_len, table = q_lens[s], kv_lens[s], page_table[s]
+        # A block near the end of q is shifted back to fit; rows of the previous block or of
+        # another sequence that it then covers are left as they are.
+        row = jnp.minimum(cu_q_lens[s] + start, tokens - q_block)
+        local = row - cu_q_lens[s] + jnp.arange(q_block)  # i32[BQ]; row index within the sequence
+        row_ok = (local >= start) & (local < q_len)
+        pos = kv_len - q_len + local  # i32[BQ]; absolute positions
+        qb = lax.dynamic_slice_in_dim(q, row, q_block).astype(jnp.float32) * sm_scale
+        qb = jnp.where(row_ok[:, None, None], qb, 0.0).reshape(q_block, num_kv_heads, group, -1)
+        qb = qb.transpose(1, 2, 0, 3)  # f32[Hkv, G, BQ, D]
+        last = jnp.minimum(pos[-1], kv_len - 1)
+        first = _window_start(kv_len - q_len + start, sliding_window)  # of the first real row
 
-        def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
-            row = begin + i * q_block
-            local = i * q_block + jnp.arange(q_block)  # i32[BQ]; row index within the sequence
-            row_ok = local < q_len
-            pos = kv_len - q_len + local  # i32[BQ]; absolute positions
-            qb = lax.dynamic_slice_in_dim(q, row, q_block).astype(jnp.float32) * sm_scale
-            qb = jnp.where(row_ok[:, None, None], qb, 0.0).reshape(q_block, num_kv_heads, group, -1)
-            qb = qb.transpose(1, 2, 0, 3)  # f32[Hkv, G, BQ, D]
-            last = jnp.minimum(pos[-1], kv_len - 1)
-            first = _window_start(pos[0], sliding_window)
+        def kv_block(b: jax.Array, carry: Carry) -> Carry:
+            with jax.named_scope("prefill_kv_block"):
+                pages = table[_block_pages(b, block_pages, table.shape[0])]  # i32[B]
+                key = b * block + jnp.arange(block)  # i32[K]
+                valid = key < kv_len
+                allowed = valid[None, :] & (key[None, :] <= pos[:, None])  # bool[BQ, K]
+                if sliding_window is not None:
+                    allowed &= pos[:, None] - key[None, :] < sliding_window
+                k, v = _gather_block(kv_pages, pages, valid)  # f32[Hkv, K, D]
+                scores = _cap(jnp.einsum("hgqd,hkd->hgqk", qb, k), logit_soft_cap)
+                return _softmax_step(carry, scores, allowed, v, "hgqk,hkd->hgqd")
 
-            def kv_block(b: jax.Array, carry: Carry) -> Carry:
-                with jax.named_scope("prefill_kv_block"):
-                    pages = lax.dynamic_slice_in_dim(table, b * block_pages, block_pages)
-                    key = b * block + jnp.arange(block)  # i32[K]
-                    valid = key < kv_len
-                    allowed = valid[None, :] & (key[None, :] <= pos[:, None])  # bool[BQ, K]
-                    if sliding_window is not None:
-                        allowed &= pos[:, None] - key[None, :] < sliding_window
-                    slots = _block_slots(pages, valid, fallback, num_pages, page_size)  # i32[K]
-                    k, v = _gather_heads_major(kv_pages, slots)  # f32[Hkv, K, D]
-                    scores = _cap(jnp.einsum("hgqd,hkd->hgqk", qb, k), logit_soft_cap)
-                    return _softmax_step(carry, scores, allowed, v, "hgqk,hkd->hgqd")
+        carry = _init_carry((num_kv_heads, group, q_block), head_dim)
+        carry = lax.fori_loop(first // block, last // block + 1, kv_block, carry)
+        res = _finish(carry).transpose(2, 0, 1, 3).reshape(q_block, num_q_heads, head_dim)
+        old = lax.dynamic_slice_in_dim(out, row, q_block)
+        return lax.dynamic_update_slice_in_dim(
+            out, jnp.where(row_ok[:, None, None], res, old), row, 0
+        )
 
-            carry = _init_carry((num_kv_heads, group, q_block), head_dim)
-            carry = lax.fori_loop(first // block, last // block + 1, kv_block, carry)
-            res = _finish(carry).transpose(2, 0, 1, 3).reshape(q_block, num_q_heads, head_dim)
-            old = lax.dynamic_slice_in_dim(out, row, q_block)
-            return lax.dynamic_update_slice_in_dim(
-                out, jnp.where(row_ok[:, None, None], res, old), row, 0
-            )
-
-        num_blocks = jnp.where(q_len > 1, (q_len + q_block - 1) // q_block, 0)
-        return lax.fori_loop(0, num_blocks, query_block, out)
-
-    return lax.fori_loop(0, num_seqs, sequence, out)[:tokens]
+    return lax.fori_loop(0, ends[-1], query_block, out)
 
 
 def _ragged_paged_attention(
@@ -316,11 +323,11 @@ def _ragged_paged_attention(
         kv_block = SCORE_BLOCK_BYTES // (q.shape[1] * q_block * 4)
     if decode_kv_block is None:
         token_bytes = kv_lens.shape[0] * kv_pages.shape[2] * kv_pages.shape[3] * 4
-        decode_kv_block = DECODE_BLOCK_BYTES // token_bytes
-    prefill_pages = max(1, kv_block // page_size)
-    decode_pages = max(1, decode_kv_block // page_size)
-    pad = max(prefill_pages, decode_pages)
-    page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pad)))  # i32[S, P + B]
+        decode_kv_block = min(DECODE_BLOCK_BYTES // token_bytes, DECODE_MAX_BLOCK)
+    # Whole pages, at least one, and never wider than the page table (that would add only masks).
+    prefill_pages = min(max(1, kv_block // page_size), page_table.shape[1])
+    decode_pages = min(max(1, decode_kv_block // page_size), page_table.shape[1])
+    page_table = page_table.astype(jnp.int32)
     kv_lens, cu_q_lens = kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
     num_seqs = jnp.minimum(num_seqs.astype(jnp.int32), kv_lens.shape[0])
     args = (q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)

@@ -172,6 +172,27 @@ def test_default_blocks_and_padded_cache_lanes() -> None:
     assert_matches_oracle(case, np.asarray(out), 0.125, None, None)
 
 
+@pytest.mark.parametrize(
+    ("q_lens", "kv_lens"), [([1, 20, 19], [33, 20, 50]), ([1, 30, 9], [33, 30, 9])]
+)
+def test_query_blocks_that_overhang_the_last_row(q_lens: list[int], kv_lens: list[int]) -> None:
+    # No padding rows: T = 40 with 16-row query blocks, so the last sequence's last block
+    # overhangs T and is shifted back to rows 24..39. With q_lens [1, 20, 19] it then covers rows
+    # 24..36 that its own first block did; with [1, 30, 9] it covers sequence 1's rows 24..30.
+    # Either way those rows must keep their values.
+    case = make_case(
+        np.random.default_rng(5),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+    )
+    out = run_reference(case, sm_scale=0.125, q_block=16, kv_block=16)
+    assert_matches_oracle(case, out, 0.125, None, None)
+
+
 def test_num_seqs_zero_and_all_padding() -> None:
     rng = np.random.default_rng(3)
     case = make_case(
