@@ -27,6 +27,7 @@ from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
 from engine.tokenizer import load_tokenizer
 from engine.weights import open_checkpoint, param_count, resolve_model
+from serving.cli import DEFAULT_CACHE_DIR
 
 TITLE = "Offline throughput (bench/throughput.py)"
 
@@ -126,6 +127,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--write-results", action="store_true")
     args = parser.parse_args()
+    jax.config.update("jax_compilation_cache_dir", DEFAULT_CACHE_DIR)  # reruns skip compiling
     low, _, high = args.input_len.partition(":")
     lengths = (int(low), int(high or low))
 
