@@ -80,8 +80,15 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "--kv-cache-memory",
         type=parse_bytes,
         default=None,
-        help="KV cache size, e.g. 2GiB or 500MB (default: half the free accelerator memory; "
+        help="KV cache size, e.g. 2GiB or 500MB (default: see --gpu-memory-utilization; "
         "2 GiB on CPU)",
+    )
+    serve.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.5,
+        help="fraction of the accelerator memory left after the weights that the KV cache "
+        "takes when --kv-cache-memory is not given (vLLM's flag)",
     )
     serve.add_argument(
         "--max-queued-requests",

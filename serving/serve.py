@@ -124,7 +124,9 @@ def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        cache_config = CacheConfig(memory_bytes=args.kv_cache_memory)
+        cache_config = CacheConfig(
+            memory_bytes=args.kv_cache_memory, memory_fraction=args.gpu_memory_utilization
+        )
     except ValueError as e:
         raise XlaserveError(str(e)) from e
     engine = LLMEngine(
