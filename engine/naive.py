@@ -1,7 +1,7 @@
 """Naive generation: the whole sequence is recomputed for every new token.
 
-No KV cache, no batching tricks: slow, but simple enough to trust. The engine is tested
-against it, and `xlaserve generate` uses it until the paged engine exists.
+No KV cache, no batching tricks: slow, but simple enough to trust. It is the oracle the paged
+engine is tested against.
 """
 
 from __future__ import annotations
