@@ -65,6 +65,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
+def project_to_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+    """f[T, D] @ f[D, N, H] -> f[T, N, H], as one 2-D matmul: XLA:CPU runs the equivalent
+    3-D einsum ~1.7x slower at decode shapes (measured), and the reshapes are free."""
+    d, n, h = w.shape
+    return (x @ w.reshape(d, n * h)).reshape(x.shape[0], n, h)
+
+
+def project_from_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+    """f[T, N, H] @ f[N, H, D] -> f[T, D], as one 2-D matmul (see `project_to_heads`)."""
+    n, h, d = w.shape
+    return x.reshape(x.shape[0], n * h) @ w.reshape(n * h, d)
+
+
 def gated_mlp(x: jax.Array, p: Params, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """SwiGLU (silu) or GeGLU (gelu): down(act(x @ gate) * (x @ up))."""
     gate = jnp.einsum("TD,DF->TF", x, p["w_gate"])

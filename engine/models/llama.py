@@ -39,15 +39,15 @@ def forward(
     def layer(x: jax.Array, p: Params, cache: Any) -> tuple[jax.Array, Any]:
         with jax.named_scope("attention"):
             h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q = jnp.einsum("TD,DNH->TNH", h, p["wq"])
-            k = jnp.einsum("TD,DKH->TKH", h, p["wk"])
-            v = jnp.einsum("TD,DKH->TKH", h, p["wv"])
+            q = layers.project_to_heads(h, p["wq"])
+            k = layers.project_to_heads(h, p["wk"])
+            v = layers.project_to_heads(h, p["wv"])
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q = layers.apply_rope(q, positions, inv_freq)
             k = layers.apply_rope(k, positions, inv_freq)
             out, cache = attention(q, k, v, cache)
-            x = x + jnp.einsum("TNH,NHD->TD", out, p["wo"])
+            x = x + layers.project_from_heads(out, p["wo"])
         with jax.named_scope("mlp"):
             h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             x = x + layers.gated_mlp(h, p, jax.nn.silu)
