@@ -15,7 +15,7 @@ from engine.batch import BatchBuilder, BatchShapes
 from engine.config import SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.llm_engine import LLMEngine, run_to_completion
-from engine.request import Request, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.step import StepOptions, forward_logits
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
@@ -85,19 +85,13 @@ def test_incremental_paged_decode_equals_one_full_forward(tiny) -> None:
         for r in scheduler.update_after_step(out):
             r.output_token_ids.append(int(np.argmax(recorded[r.request_id][-1][1])))
             if len(r.output_token_ids) == 6:
-                scheduler.finish(r, r.finish_reason or _length())
+                scheduler.finish(r, FinishReason.LENGTH)
     for r in requests:
         full = np.asarray(naive.sequence_logits(params, np.asarray([r.all_token_ids]), cfg=cfg))[0]
         positions = [p for p, _ in recorded[r.request_id]]
         assert len(positions) > 6  # several chunks, then the decodes
         for position, step_logits in recorded[r.request_id]:
             np.testing.assert_allclose(step_logits, full[position], atol=1e-5, rtol=0)
-
-
-def _length():
-    from engine.request import FinishReason
-
-    return FinishReason.LENGTH
 
 
 def test_batched_greedy_equals_each_request_alone(tiny, engine: LLMEngine) -> None:
