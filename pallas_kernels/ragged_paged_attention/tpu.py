@@ -56,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.ragged_paged_attention.reference import check_inputs
 from pallas_kernels.ragged_paged_attention.tuned_block_sizes import BlockSizes, get_block_sizes
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min) / 2  # finite: exp(mask - mask) stays defined
@@ -112,20 +113,8 @@ def _check_inputs(
     sliding_window: int | None,
     logit_soft_cap: float | None,
 ) -> None:
-    if q.ndim != 3:
-        raise ValueError(f"{q.shape=} must be [T, Hq, D]")
-    if kv_pages.ndim != 4 or kv_pages.shape[2] % 2 or kv_pages.shape[3] != q.shape[2]:
-        raise ValueError(f"{kv_pages.shape=} must be [num_pages, page_size, 2*Hkv, {q.shape[2]}]")
-    if kv_pages.dtype != q.dtype:
-        raise ValueError(f"{kv_pages.dtype=} must equal {q.dtype=}")
-    if kv_lens.ndim != 1:
-        raise ValueError(f"{kv_lens.shape=} must be [S]")
-    if page_table.ndim != 2 or page_table.shape[0] != kv_lens.shape[0]:
-        raise ValueError(f"{page_table.shape=} must be [S, P] with S = {kv_lens.shape[0]}")
-    if cu_q_lens.shape != (kv_lens.shape[0] + 1,):
-        raise ValueError(f"{cu_q_lens.shape=} must be ({kv_lens.shape[0] + 1},)")
-    if num_seqs.shape != ():
-        raise ValueError(f"{num_seqs.shape=} must be (), a scalar")
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    # Scalar prefetch puts these in SMEM as 32-bit words.
     for name, x in (("kv_lens", kv_lens), ("page_table", page_table), ("cu_q_lens", cu_q_lens)):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={x.dtype} must be int32")

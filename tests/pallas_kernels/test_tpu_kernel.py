@@ -295,7 +295,7 @@ def test_check_supported_names_the_combination(args: tuple, message: str) -> Non
     [
         (dict(cu_q_lens=jnp.zeros((2,), jnp.int32)), r"cu_q_lens.shape=\(2,\) must be \(3,\)"),
         (dict(page_table=jnp.zeros((3, 4), jnp.int32)), r"page_table.shape=\(3, 4\) must be"),
-        (dict(kv_pages=jnp.zeros((4, 16, 4, 256))), r"kv_pages.shape=.* must be .*128\]"),
+        (dict(kv_pages=jnp.zeros((4, 16, 4, 256))), r"kv_pages.shape=.* must be .* with D = 128"),
         (dict(num_seqs=jnp.zeros((1,), jnp.int32)), r"num_seqs.shape=\(1,\) must be \(\)"),
         (dict(num_queries_per_block=12), "num_queries_per_block=12 must be a positive multiple"),
         (dict(sliding_window=0), "sliding_window=0 must be positive"),
