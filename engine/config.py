@@ -86,6 +86,9 @@ class CacheConfig:
     memory_bytes: int | None = None
     memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
+    # None: the model's dtype, except float32 on CPU, where XLA has no bf16 gather or scatter
+    # (a bf16 cache there costs a copy of the whole pool per layer and step).
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -96,6 +99,14 @@ class CacheConfig:
             raise ValueError(f"kv cache memory must be > 0 bytes, got {self.memory_bytes}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"kv cache dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def kv_dtype(self, model_dtype: str, platform: str) -> str:
+        """The cache's dtype for a model of `model_dtype` on `platform`."""
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if platform == "cpu" else model_dtype
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,9 @@ class ModelRunner:
         self.cfg = cfg
         self.params = params
         self.attention_impl = attention_impl
+        self.kv_dtype = cache_config.kv_dtype(cfg.dtype, _platform())
         one_page = self._kv_spec(num_pages=1, page_size=cache_config.page_size)
-        page_bytes = int(np.prod(one_page.shape)) * np.dtype(cfg.dtype).itemsize * cfg.num_layers
+        page_bytes = int(np.prod(one_page.shape)) * np.dtype(self.kv_dtype).itemsize * cfg.num_layers
         self.num_pages = num_pages_for(cache_config, page_bytes)
         self.kv_spec = one_page.replace(num_pages=self.num_pages)
         self.kv_caches = self._init_caches()
@@ -95,7 +96,7 @@ class ModelRunner:
             page_size=page_size,
             num_kv_heads=self.cfg.num_kv_heads,
             head_dim=self.cfg.head_dim,
-            dtype=self.cfg.dtype,
+            dtype=self.kv_dtype,
         )
 
     def _init_caches(self) -> Any:

@@ -69,7 +69,7 @@ def _forward(
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array) -> Any:
         kv_pages = write_kv(kv_pages, k, v, batch.slot_mapping)
         out = ragged_paged_attention(
-            q,
+            q.astype(kv_pages.dtype),  # the cache may be wider than the model (CacheConfig.dtype)
             kv_pages,
             batch.kv_lens,
             batch.page_table,
@@ -79,7 +79,7 @@ def _forward(
             sliding_window=cfg.sliding_window,
             impl=options.attention_impl,
         )
-        return out, kv_pages
+        return out.astype(q.dtype), kv_pages
 
     return registry.forward(params, batch.token_ids, batch.positions, kv_caches, attention, cfg=cfg)
 

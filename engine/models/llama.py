@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ModelConfig, RopeScaling
@@ -61,7 +60,7 @@ def forward(
 def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """f[T, D] -> f32[T, V]; the embedding doubles as the output layer when tied."""
     unembed = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("TD,VD->TV", hidden, unembed, preferred_element_type=jnp.float32)
+    return layers.unembed(hidden, unembed)
 
 
 def sm_scale(cfg: ModelConfig) -> float:

@@ -12,15 +12,16 @@ import pytest
 
 from engine import compilation, naive
 from engine.batch import BatchBuilder, BatchShapes
-from engine.config import SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.step import StepOptions, forward_logits
+from engine.weights import open_checkpoint, resolve_model
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
 from tests.conftest import PAGE
-from tests.engine.tiny_model import VOCAB_SIZE
+from tests.engine.tiny_model import VOCAB_SIZE, write_tiny_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -54,10 +55,20 @@ def generate(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingP
     return run_to_completion(engine, ids)
 
 
-def test_incremental_paged_decode_equals_one_full_forward(tiny) -> None:
+@pytest.fixture(scope="module")
+def small_logits_model(tmp_path_factory):
+    """The tiny Llama with weights of std 0.1 rather than 0.3: logits of magnitude ~2 rather
+    than ~7, so that float32 rounding (a few ulps of the logits, summed in different orders by
+    differently shaped matmuls) stays well inside the 1e-5 bound."""
+    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("small"), initializer_range=0.1)
+    checkpoint = open_checkpoint(resolve_model(str(directory)))
+    return checkpoint.cfg, checkpoint.load_params()
+
+
+def test_incremental_paged_decode_equals_one_full_forward(small_logits_model) -> None:
     """Two requests prefilled in chunks of at most 7 tokens (so chunks straddle pages of 4),
     mixed with each other's decodes; every step's logits must equal the full forward's."""
-    cfg, params, _ = tiny
+    cfg, params = small_logits_model
     kv = KVCacheManager(64, PAGE)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=7, max_model_len=64)
     scheduler = Scheduler(config, kv)
@@ -92,6 +103,7 @@ def test_incremental_paged_decode_equals_one_full_forward(tiny) -> None:
         assert len(positions) > 6  # several chunks, then the decodes
         for position, step_logits in recorded[r.request_id]:
             np.testing.assert_allclose(step_logits, full[position], atol=1e-5, rtol=0)
+        assert np.abs(full).max() > 1.0  # the bound is tight relative to the logits' scale
 
 
 def test_batched_greedy_equals_each_request_alone(tiny, engine: LLMEngine) -> None:
@@ -182,3 +194,33 @@ def test_no_compilation_after_warm_up(engine: LLMEngine) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert compilation.count() == before
+
+
+def test_bfloat16_model_on_cpu_keeps_a_float32_cache(tiny) -> None:
+    """A bfloat16 model's engine on CPU writes K/V into a float32 cache (CacheConfig.dtype);
+    its logits stay within bfloat16 rounding of the float32 model's, prefill and decode."""
+    cfg, params, tokenizer = tiny
+    bf16_cfg = cfg.replace(dtype="bfloat16")
+    bf16_params = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), params)
+    bf16_engine = LLMEngine(
+        bf16_cfg,
+        bf16_params,
+        tokenizer,
+        cache_config=CacheConfig(page_size=PAGE, num_pages=32),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64
+        ),
+    )
+    assert bf16_engine.runner.kv_caches[0].dtype == np.float32
+    prompt = random_prompt(random.Random(7), 11)
+    params_lp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    [output] = generate(bf16_engine, [prompt], [params_lp])
+    tokens = output.outputs[0].token_ids
+    ids = np.asarray([prompt + tokens])
+    exact = jax.nn.log_softmax(naive.sequence_logits(params, ids, cfg=cfg)[0], axis=-1)
+    # The yardstick: the naive forward of the same bfloat16 weights, all in bfloat16.
+    dense_bf16 = naive.sequence_logits(bf16_params, ids, cfg=bf16_cfg)[0].astype(np.float32)
+    rows = np.arange(len(prompt) - 1, ids.shape[1] - 1)
+    yardstick = np.abs(jax.nn.log_softmax(dense_bf16, axis=-1) - exact)[rows].max()
+    for i, (token, entry) in enumerate(zip(tokens, output.outputs[0].logprobs, strict=True)):
+        assert abs(entry[token] - exact[rows[i], token]) <= 2 * yardstick
