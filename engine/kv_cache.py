@@ -14,6 +14,12 @@ Free queue order: front = reused first. Freed pages that hold no cached content 
 (losing them costs nothing); freed hashed pages go to the back, so cached content is evicted in
 LRU order. A request's pages are released tail first, so its deepest (least shareable) pages are
 evicted before its first ones.
+
+Sliding window: when every layer of the model is local (Mistral), keys behind the window of a
+request's next token are never read again, so `release_behind_window` frees the pages that hold
+only such keys, like `free` does for a whole request (reference counts, prefix-cache content kept
+for a later hit). Their page-table entries become RELEASED; the attention kernels never read a
+page-table entry of a page wholly behind the window, so its value is never used.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 GIB = 1 << 30
+RELEASED = -1  # page-table entry of a page released behind the sliding window
 _ROOT_HASH = b""  # the parent of a request's first page; a LoRA/model salt would be mixed in here
 
 
@@ -50,7 +57,14 @@ class KVCacheManager:
         kv.free(rid)                                              # finished, aborted or preempted
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
         if num_pages < 1 or page_size < 1:
             raise ValueError(
                 f"need num_pages >= 1 and page_size >= 1, got {num_pages=} {page_size=}"
@@ -58,6 +72,7 @@ class KVCacheManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # set only when every layer is local
         self._refcounts = [0] * num_pages
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self._page_hashes: list[bytes | None] = [None] * num_pages  # content key of each page
@@ -183,11 +198,34 @@ class KVCacheManager:
         """Release all the request's pages, tail first; a no-op for an unknown request."""
         self._chains.pop(request_id, None)
         for page in reversed(self._tables.pop(request_id, [])):
-            self._refcounts[page] -= 1
-            if self._refcounts[page] == 0:
-                self._free[page] = None
-                if self._page_hashes[page] is None:
-                    self._free.move_to_end(page, last=False)
+            if page != RELEASED:
+                self._release(page)
+
+    def release_behind_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """With a sliding window, frees the request's pages that the next token (at position
+        `num_computed_tokens`) and all later ones cannot see; returns how many.
+
+        Call after `commit_full_pages`, so that their content stays in the prefix cache.
+        """
+        table = self._tables.get(request_id)
+        if self.sliding_window is None or not table:
+            return 0
+        first_visible = max(num_computed_tokens - self.sliding_window + 1, 0)
+        behind = min(first_visible // self.page_size, len(table))
+        released = 0
+        for i in range(behind):
+            if table[i] != RELEASED:
+                self._release(table[i])
+                table[i] = RELEASED
+                released += 1
+        return released
+
+    def _release(self, page: int) -> None:
+        self._refcounts[page] -= 1
+        if self._refcounts[page] == 0:
+            self._free[page] = None
+            if self._page_hashes[page] is None:
+                self._free.move_to_end(page, last=False)
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached content of every page no request holds; returns how many."""
@@ -228,9 +266,12 @@ class KVCacheManager:
         """Raise AssertionError if the bookkeeping is inconsistent (for tests)."""
         holders = [0] * self.num_pages
         for rid, table in self._tables.items():
-            _check(len(set(table)) == len(table), f"request {rid!r} holds a page twice: {table}")
+            held = [page for page in table if page != RELEASED]
+            _check(len(set(held)) == len(held), f"request {rid!r} holds a page twice: {table}")
             _check(len(self._chains.get(rid, ())) <= len(table), f"{rid!r} hashed unheld pages")
-            for page in table:
+            released = len(table) - len(held)
+            _check(RELEASED not in table[released:], f"{rid!r} released a page in front: {table}")
+            for page in held:
                 holders[page] += 1
         _check(holders == self._refcounts, f"refcounts {self._refcounts} != holders {holders}")
         for page, count in enumerate(self._refcounts):

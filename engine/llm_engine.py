@@ -92,6 +92,7 @@ class LLMEngine:
             self.runner.num_pages,
             cache_config.page_size,
             enable_prefix_caching=cache_config.enable_prefix_caching,
+            sliding_window=cfg.uniform_sliding_window,
         )
         log.info(
             describe_kv_cache(

@@ -74,7 +74,8 @@ class ModelRunner:
         self.attention_impl = attention_impl
         self.kv_dtype = cache_config.kv_dtype(cfg.dtype, _platform())
         one_page = self._kv_spec(num_pages=1, page_size=cache_config.page_size)
-        page_bytes = int(np.prod(one_page.shape)) * np.dtype(self.kv_dtype).itemsize * cfg.num_layers
+        itemsize = np.dtype(self.kv_dtype).itemsize
+        page_bytes = int(np.prod(one_page.shape)) * itemsize * cfg.num_layers
         self.num_pages = num_pages_for(cache_config, page_bytes)
         self.kv_spec = one_page.replace(num_pages=self.num_pages)
         self.kv_caches = self._init_caches()

@@ -25,9 +25,11 @@ _LENGTH_BUCKET = 64  # sequences are padded to a multiple of this: one compile p
 def _whole_sequence_attention(positions: jax.Array, cfg: ModelConfig) -> AttentionFn:
     scale = registry.family(cfg).sm_scale(cfg)
 
-    def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: None) -> tuple[jax.Array, None]:
+    def attention(
+        q: jax.Array, k: jax.Array, v: jax.Array, cache: None, *, sliding_window: int | None
+    ) -> tuple[jax.Array, None]:
         out = dense_causal_attention(
-            q, k, v, positions, sm_scale=scale, sliding_window=cfg.sliding_window
+            q, k, v, positions, sm_scale=scale, sliding_window=sliding_window
         )
         return out, cache
 

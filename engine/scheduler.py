@@ -183,6 +183,7 @@ class Scheduler:
             self.kv_cache.commit_full_pages(
                 request.request_id, request.all_token_ids, request.num_computed_tokens
             )
+            self.kv_cache.release_behind_window(request.request_id, request.num_computed_tokens)
             if s.completes_sequence:
                 completed.append(request)
         return completed

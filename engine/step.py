@@ -66,7 +66,9 @@ def _forward(
     cfg = options.cfg
     scale = registry.family(cfg).sm_scale(cfg)
 
-    def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array) -> Any:
+    def attention(
+        q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array, *, sliding_window: int | None
+    ) -> Any:
         kv_pages = write_kv(kv_pages, k, v, batch.slot_mapping)
         out = ragged_paged_attention(
             q.astype(kv_pages.dtype),  # the cache may be wider than the model (CacheConfig.dtype)
@@ -76,7 +78,7 @@ def _forward(
             batch.cu_q_lens,
             batch.num_seqs,
             sm_scale=scale,
-            sliding_window=cfg.sliding_window,
+            sliding_window=sliding_window,
             impl=options.attention_impl,
         )
         return out.astype(q.dtype), kv_pages

@@ -8,6 +8,7 @@ keys. `engine.tokenizer.load_tokenizer` dispatches `.gguf` paths here.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from engine.chat_template import GEMMA_CHAT_TEMPLATE
 from engine.tokenizer import (
     HFTokenizer,
     ModelProto,
@@ -68,6 +70,11 @@ def _sentencepiece_from_gguf(meta: dict[str, Any], source: str) -> SentencePiece
         proto.pieces.add(piece=token, score=score, type=kind)
     specials = _gguf_specials(meta, add_bos_default=True)
     template = meta.get("tokenizer.chat_template")
+    if _GEMMA_TURN_END in tokens:  # Gemma: a turn ends generation; its GGUFs may lack a template
+        end_of_turn = tokens.index(_GEMMA_TURN_END)
+        eos_ids = tuple(dict.fromkeys([*specials.eos_token_ids, end_of_turn]))
+        specials = dataclasses.replace(specials, eos_token_ids=eos_ids)
+        template = template or GEMMA_CHAT_TEMPLATE
     # llama.cpp adds the dummy-prefix space after every special token: legacy.
     return SentencePieceTokenizer(proto, specials, template, legacy=True, source=source)
 
@@ -123,6 +130,8 @@ def _gguf_specials(meta: dict[str, Any], *, add_bos_default: bool) -> SpecialTok
 
 # GGUF token types (the same numbers as SentencePiece's piece types).
 _NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
+
+_GEMMA_TURN_END = "<end_of_turn>"
 
 _GPT2_PRES = frozenset({"gpt2", "mpt", "olmo", "jais"})
 _DIGIT_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"})

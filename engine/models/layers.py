@@ -7,9 +7,10 @@ sharding rules can name them.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,16 @@ import numpy as np
 from engine.config import RopeScaling
 
 Params = dict[str, Any]
-# attention(q f[T, N, H], k f[T, K, H], v f[T, K, H], layer_cache) -> (f[T, N, H], layer_cache)
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+class AttentionFn(Protocol):
+    """attention(q f[T, N, H], k f[T, K, H], v f[T, K, H], layer_cache, sliding_window=W)
+    -> (f[T, N, H], layer_cache). The model passes each layer's own window (a static int, or
+    None for a layer that sees the whole context)."""
+
+    def __call__(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, /, *, sliding_window: int | None
+    ) -> tuple[jax.Array, Any]: ...
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:
@@ -139,29 +148,47 @@ def dense_causal_attention(
 
 
 def run_layers(
-    layer_fn: Callable[[jax.Array, Params, Any], tuple[jax.Array, Any]],
+    layer_fn: Callable[..., tuple[jax.Array, Any]],
     x: jax.Array,
     layers: list[Params] | Params,
     caches: Any,
+    *,
+    variants: Sequence[Hashable] | None = None,
 ) -> tuple[jax.Array, Any]:
-    """Applies `layer_fn` over the layers: unrolled for a list of per-layer params, a
-    `lax.scan` for params stacked on a leading layer axis (one compile for any depth).
+    """Applies `layer_fn(x, params, cache)` over the layers: unrolled for a list of per-layer
+    params, a `lax.scan` for params stacked on a leading layer axis (one compile for any depth).
 
+    `variants`, one static value per layer (Gemma 3: local or global), is passed to `layer_fn`
+    as `variant=`; the scan picks each layer's variant with `lax.switch`.
     Which is faster is platform-dependent (see shared/BASELINES.md); the model is the same.
     """
     if isinstance(layers, list):
         caches = [None] * len(layers) if caches is None else caches
+        kinds = [None] * len(layers) if variants is None else list(variants)
         new_caches = []
-        for i, (layer, cache) in enumerate(zip(layers, caches, strict=True)):
+        for i, (layer, cache, kind) in enumerate(zip(layers, caches, kinds, strict=True)):
+            fn = layer_fn if variants is None else functools.partial(layer_fn, variant=kind)
             with jax.named_scope(f"layer_{i}"):
-                x, cache = layer_fn(x, layer, cache)
+                x, cache = fn(x, layer, cache)
             new_caches.append(cache)
         return x, new_caches
 
-    def body(h: jax.Array, layer_and_cache: tuple[Params, Any]) -> tuple[jax.Array, Any]:
-        return layer_fn(h, *layer_and_cache)
+    if variants is None:
 
-    return jax.lax.scan(body, x, (layers, caches))
+        def body(h: jax.Array, layer_and_cache: tuple[Params, Any]) -> tuple[jax.Array, Any]:
+            return layer_fn(h, *layer_and_cache)
+
+        return jax.lax.scan(body, x, (layers, caches))
+
+    distinct = list(dict.fromkeys(variants))
+    branches = [functools.partial(layer_fn, variant=kind) for kind in distinct]
+    index = jnp.asarray([distinct.index(kind) for kind in variants], jnp.int32)  # i32[L]
+
+    def switch_body(h: jax.Array, xs: tuple[jax.Array, Params, Any]) -> tuple[jax.Array, Any]:
+        i, layer, cache = xs
+        return jax.lax.switch(i, branches, h, layer, cache)
+
+    return jax.lax.scan(switch_body, x, (index, layers, caches))
 
 
 def stack_layers(layers: list[Params]) -> Params:

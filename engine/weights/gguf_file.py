@@ -46,6 +46,19 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 names its four norms differently (`ffn_norm` is the norm *before* the MLP there).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the
+# weight); the model code here, like transformers, applies 1 + w, so loading subtracts the 1.
+_NORMS_PLUS_ONE = frozenset({"gemma3"})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -62,12 +75,13 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
     return None
 
 
@@ -79,16 +93,24 @@ class GGUFSource:
     """
 
     def __init__(
-        self, path: Path, reader: GGUFReader, *, num_heads: int, num_kv_heads: int, permuted: bool
+        self,
+        path: Path,
+        reader: GGUFReader,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        architecture: str,
     ):
         self._path = path
         self._tensors = {}
         for tensor in reader.tensors:
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, architecture)
             if name is not None:
                 self._tensors[name] = tensor
         # Only the `llama` converter permutes; `qwen2` GGUFs keep HF order (NeoX RoPE).
+        permuted = architecture == "llama"
         self._heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if permuted else {}
+        self._norms_plus_one = architecture in _NORMS_PLUS_ONE
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -115,6 +137,8 @@ class GGUFSource:
         for proj, heads in self._heads.items():
             if f".{proj}." in name:
                 array = _unpermute_rows(array, heads)
+        if self._norms_plus_one and name.endswith("norm.weight"):
+            array = array - 1
         return array
 
 

@@ -233,7 +233,9 @@ def _attention_kernel(
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
             m_prev, l_prev, acc_prev = carry  # f32[M], f32[M], f32[M, D]
             key = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[K]
-            key_ok = key < kv_len  # bool[K]
+            # Keys before the tile's window start are never loaded, nor their page-table
+            # entries (the engine may have freed pages behind the window).
+            key_ok = (key < kv_len) & (key >= first_key)  # bool[K]
             page_at = page_table_ref.at[seq, lax.div(key, page_size)]
             page = plgpu.load(page_at, mask=key_ok, other=0)  # i32[K]
             slot = lax.rem(key, page_size)  # i32[K]

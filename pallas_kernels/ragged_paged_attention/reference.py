@@ -18,6 +18,10 @@ einsums are batched matmuls with the batch dims leading; both use an online soft
 unused tail slots, padding slots or padding q rows never reaches a real row: scores of keys past a
 sequence's kv_len become -inf, and V there is zeroed before it meets its zero weight.
 
+With a sliding window, KV blocks wholly before every row's window are skipped, and page-table
+columns before a sequence's window are never indexed (a block that starts there re-reads the
+window's first page instead, masked): the engine may have freed those pages and reused them.
+
 On CPU prefer a float32 cache. XLA:CPU cannot gather bf16, so the reference gathers the cache's
 bits as uint16; XLA still materialises that uint16 view once per call (one read and write of the
 page pool, ~2x cheaper than the f32 copy a plain bf16 gather costs, but proportional to the pool,
@@ -218,13 +222,17 @@ def _decode_rows(
     qd = jnp.where(is_decode[:, None, None], qd, 0.0).reshape(num_slots, num_kv_heads, group, -1)
     first = _window_start(lens - 1, sliding_window)  # i32[S]
 
+    first_page = first // page_size  # i32[S]; pages before it are outside every window
+
     def kv_block(b: jax.Array, carry: Carry) -> Carry:
         with jax.named_scope("decode_kv_block"):
-            pages = page_table[:, _block_pages(b, block_pages, page_table.shape[1])]  # i32[S, B]
+            columns = _block_pages(b, block_pages, page_table.shape[1])  # i32[B]
+            columns = jnp.maximum(columns[None, :], first_page[:, None])  # i32[S, B]
+            pages = jnp.take_along_axis(page_table, columns, axis=1)  # i32[S, B]
             key = b * block + jnp.arange(block)  # i32[K]
             valid = key[None, :] < lens[:, None]  # bool[S, K]
             allowed = valid & (key[None, :] >= first[:, None])
-            k, v = _gather_block(kv_pages, pages, valid)  # f32[S, Hkv, K, D]
+            k, v = _gather_block(kv_pages, pages, allowed)  # f32[S, Hkv, K, D]
             scores = _cap(jnp.einsum("shgd,shkd->shgk", qd, k), logit_soft_cap)
             return _softmax_step(carry, scores, allowed[:, None, None, :], v, "shgk,shkd->shgd")
 
@@ -282,9 +290,10 @@ def _prefill_rows(
 
         def kv_block(b: jax.Array, carry: Carry) -> Carry:
             with jax.named_scope("prefill_kv_block"):
-                pages = table[_block_pages(b, block_pages, table.shape[0])]  # i32[B]
+                columns = _block_pages(b, block_pages, table.shape[0])  # i32[B]
+                pages = table[jnp.maximum(columns, first // page_size)]  # i32[B]
                 key = b * block + jnp.arange(block)  # i32[K]
-                valid = key < kv_len
+                valid = (key < kv_len) & (key >= first)
                 allowed = valid[None, :] & (key[None, :] <= pos[:, None])  # bool[BQ, K]
                 if sliding_window is not None:
                     allowed &= pos[:, None] - key[None, :] < sliding_window
