@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -73,7 +74,9 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         attention_impl: str | None = None,
         warm_up: bool = True,
+        mesh: Mesh | None = None,
     ):
+        """`mesh`: a (1, pp, tp) device mesh to shard the model over (`sharding.mesh`)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.scheduler_config = scheduler_config or SchedulerConfig(
@@ -87,6 +90,7 @@ class LLMEngine:
             self.scheduler_config,
             attention_impl=attention_impl,
             eos_token_ids=tokenizer.eos_token_ids,
+            mesh=mesh,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_pages,
