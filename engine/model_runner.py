@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -100,6 +101,8 @@ class ModelRunner:
         self.builder = BatchBuilder(self.shapes, cache_config.page_size, eos_token_ids)
         self._compiled: dict[tuple[int, int, StepOptions], Any] = {}
         self._step = jitted_step if self.plan is None else self._sharded_step()
+        # Called with each batch before it runs (a multi-process leader sends it to followers).
+        self.before_step: Callable[[StepInput, StepOptions], None] | None = None
 
     def _kv_spec(self, *, num_pages: int, page_size: int) -> KVCacheSpec:
         return KVCacheSpec.for_platform(
@@ -219,6 +222,8 @@ class ModelRunner:
         """Starts the step on a built (NumPy) batch."""
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
         executable = self._executable(t, s, options)
+        if self.before_step is not None:
+            self.before_step(batch, options)
         placed = jax.device_put(batch) if self.plan is None else self._put(batch)
         result, self.kv_caches = executable(self.params, self.kv_caches, placed)
         return result

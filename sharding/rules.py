@@ -107,21 +107,21 @@ class ShardingPlan:
         """KV heads the cache stores: the model's, or one per shard when replicated."""
         return self.tp if self.kv_replicated else self.num_kv_heads
 
-    def rule(self, logical: str | None) -> str | None:
+    def rule(self, logical: str | None, *, cache: bool = False) -> str | None:
         if logical is None:
             return None
-        if logical == "kv_heads" and self.kv_replicated:
-            return None
+        if logical == "kv_heads" and self.kv_replicated and not cache:
+            return None  # the parameters' few KV heads; the cache has one per shard
         return RULES[logical]
 
-    def spec(self, axes: Axes, shape: tuple[int, ...]) -> P:
+    def spec(self, axes: Axes, shape: tuple[int, ...], *, cache: bool = False) -> P:
         """The PartitionSpec of an array with these logical axes; a dimension the mesh axis
         does not divide (a vocabulary of 49,153 over 2) stays replicated."""
         if len(axes) != len(shape):
             raise ValueError(f"logical axes {axes} do not match {shape=}")
         mesh_axes = []
         for name, size in zip(axes, shape, strict=True):
-            axis = self.rule(name)
+            axis = self.rule(name, cache=cache)
             fits = axis is not None and size % int(self.mesh.shape[axis]) == 0
             mesh_axes.append(axis if fits else None)
         return P(*mesh_axes)
@@ -142,7 +142,7 @@ class ShardingPlan:
     def cache_sharding(self, shape: tuple[int, ...]) -> NamedSharding:
         """One layer's cache, or the stacked caches [layers, ...]."""
         axes = CACHE_AXES if len(shape) == len(CACHE_AXES) else ("layers", *CACHE_AXES)
-        return self.sharding(axes, shape)
+        return NamedSharding(self.mesh, self.spec(axes, shape, cache=True))
 
     def shard_attention(self, attention: Callable[..., Any]) -> Callable[..., Any]:
         """Runs `attention(q, k, v, kv_pages, metadata) -> (out, kv_pages)` per shard of heads:
@@ -161,14 +161,16 @@ class ShardingPlan:
 
         def sharded(q: jax.Array, k: jax.Array, v: jax.Array, pages: jax.Array, meta: Any) -> Any:
             # Inside the pipeline's shard_map the context mesh (`pp` manual) is the one to use.
+            # Every mesh axis is manual in here (Mosaic kernels cannot be auto-partitioned);
+            # all but `tp` are replicated.
             context = jax.sharding.get_abstract_mesh()
-            mesh = None if not context.empty and context.manual_axes else self.mesh
+            nested = not context.empty and bool(context.manual_axes)
             fn = jax.shard_map(
                 local,
-                mesh=mesh,
+                mesh=None if nested else self.mesh,
                 in_specs=(heads, kv, kv, cache, P()),
                 out_specs=(heads, cache),
-                axis_names={"tp"},
+                axis_names=set(self.mesh.axis_names) - set(context.manual_axes if nested else ()),
                 check_vma=False,
             )
             return fn(q, k, v, pages, meta)
