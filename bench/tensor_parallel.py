@@ -43,8 +43,9 @@ def main() -> int:
             *common.preamble(command, {"jax": jax.__version__}),
             f"- model: random Llama, {describe(CFG)}, float32; 8 requests of 128-token prompts",
             f"- devices: {NUM_DEVICES} simulated CPU devices sharing the machine's cores",
-            "- note: an XLA:CPU device runs a step on one thread, so on this 2-core machine T"
-            "P=2 gets both cores where TP=1 uses one, and TP=4 puts 4 threads and their collectives on 2 cores; the machine is shared and noisy (see shared/BASELINES.md)",
+            "- note: an XLA:CPU device runs a step on one thread, so on this 2-core machine "
+            "TP=2 gets both cores where TP=1 uses one, and TP=4 puts 4 threads and their "
+            "collectives on 2 cores; the machine is shared and noisy (see shared/BASELINES.md)",
             "",
             *table,
         ]
