@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -54,6 +55,15 @@ class _Parent:
     finished: set[int] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A step started on the device."""
+
+    out: SchedulerOutput
+    completed: list[Request]
+    pending: StepOutput
+
+
 @dataclass
 class EngineStats:
     num_prompt_tokens: int = 0
@@ -73,7 +83,9 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         attention_impl: str | None = None,
         warm_up: bool = True,
+        mesh: Mesh | None = None,
     ):
+        """`mesh`: a (1, pp, tp) device mesh to shard the model over (`sharding.mesh`)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.scheduler_config = scheduler_config or SchedulerConfig(
@@ -87,6 +99,7 @@ class LLMEngine:
             self.scheduler_config,
             attention_impl=attention_impl,
             eos_token_ids=tokenizer.eos_token_ids,
+            mesh=mesh,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_pages,
@@ -159,13 +172,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of requests that made progress."""
+        launched = self.launch_step()
+        return self.finish_step(launched) if launched is not None else []
+
+    def launch_step(self) -> _Launched | None:
+        """Schedules and starts one step on the device (None: nothing to run); `finish_step`
+        waits for it. Data-parallel replicas launch all their steps, then finish them."""
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            return None
         params = [s.request.sampling_params for s in out.scheduled]
         options = self.runner.options(
             penalties=any(p.uses_penalties for p in params),
@@ -176,7 +198,11 @@ class LLMEngine:
         # While the device computes: bookkeeping that needs the schedule but not the tokens
         # (computed counts, prefix-cache hashes of the pages this step fills).
         completed = self.scheduler.update_after_step(out)
-        result = self.runner.fetch(pending)
+        return _Launched(out, completed, pending)
+
+    def finish_step(self, launched: _Launched) -> list[RequestOutput]:
+        out, completed = launched.out, launched.completed
+        result = self.runner.fetch(launched.pending)
         if result.prompt is not None:
             _record_prompt_logprobs(out, result.prompt)
         self.stats.num_steps += 1

@@ -7,21 +7,25 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from engine import compilation, kv_cache
 from engine.batch import BatchBuilder, BatchShapes
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.errors import XlaserveError
-from engine.models.layers import Params
+from engine.models.layers import Params, stack_layers
 from engine.request import MAX_LOGPROBS
 from engine.scheduler import SchedulerOutput
-from engine.step import StepInput, StepOptions, StepOutput, jitted_step
+from engine.step import StepInput, StepOptions, StepOutput, jitted_step, step
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
+from sharding.multihost import put_replicated
+from sharding.rules import ShardingPlan
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,11 @@ def num_pages_for(cache: CacheConfig, page_bytes: int) -> int:
 
 
 class ModelRunner:
-    """Runs scheduled batches through the compiled step and returns sampled tokens (NumPy)."""
+    """Runs scheduled batches through the compiled step and returns sampled tokens (NumPy).
+
+    With a `mesh`, parameters and KV pages are sharded by `sharding.rules` and the step is
+    compiled for the mesh (a pipeline over its `pp` axis, tensor parallelism over `tp`).
+    """
 
     def __init__(
         self,
@@ -67,15 +75,19 @@ class ModelRunner:
         *,
         attention_impl: str | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        mesh: Mesh | None = None,
     ):
         compilation.install()
         self.cfg = cfg
-        self.params = params
+        self.plan = ShardingPlan.create(mesh, cfg) if mesh is not None else None
+        self.params = self._place_params(params)
         self.attention_impl = attention_impl
         self.kv_dtype = cache_config.kv_dtype(cfg.dtype, _platform())
         one_page = self._kv_spec(num_pages=1, page_size=cache_config.page_size)
-        itemsize = np.dtype(self.kv_dtype).itemsize
-        page_bytes = int(np.prod(one_page.shape)) * itemsize * cfg.num_layers
+        # One page of every layer, as one device holds it (its share of heads and layers).
+        shards = 1 if self.plan is None else self.plan.tp * self.plan.pp
+        layer_page_bytes = int(np.prod(one_page.shape)) * np.dtype(self.kv_dtype).itemsize
+        page_bytes = layer_page_bytes * cfg.num_layers // shards
         self.num_pages = num_pages_for(cache_config, page_bytes)
         self.kv_spec = one_page.replace(num_pages=self.num_pages)
         self.kv_caches = self._init_caches()
@@ -89,23 +101,58 @@ class ModelRunner:
         )
         self.builder = BatchBuilder(self.shapes, cache_config.page_size, eos_token_ids)
         self._compiled: dict[tuple[int, int, StepOptions], Any] = {}
+        self._step = jitted_step if self.plan is None else self._sharded_step()
+        # Called with each batch before it runs (a multi-process leader sends it to followers).
+        self.before_step: Callable[[StepInput, StepOptions], None] | None = None
 
     def _kv_spec(self, *, num_pages: int, page_size: int) -> KVCacheSpec:
         return KVCacheSpec.for_platform(
             _platform(),
             num_pages=num_pages,
             page_size=page_size,
-            num_kv_heads=self.cfg.num_kv_heads,
+            num_kv_heads=self.cfg.num_kv_heads if self.plan is None else self.plan.cache_kv_heads,
             head_dim=self.cfg.head_dim,
             dtype=self.kv_dtype,
         )
 
+    def _place_params(self, params: Params) -> Params:
+        """Sharded by the plan (layers stacked for a pipeline); as given without a mesh."""
+        if self.plan is None:
+            return params
+        if self.plan.pp > 1 and isinstance(params["layers"], list):
+            params = {**params, "layers": stack_layers(params["layers"])}
+        return jax.device_put(params, self.plan.param_shardings(params))
+
     def _init_caches(self) -> Any:
-        """One cache array per layer, laid out like the layer params (a list, or stacked)."""
+        """One cache array per layer, laid out like the layer params (a list, or stacked);
+        with a mesh, allocated already sharded."""
+        if self.plan is not None:
+            return self._init_sharded_caches(self.plan)
         if isinstance(self.params["layers"], list):
             return [init_kv_pages(self.kv_spec) for _ in range(self.cfg.num_layers)]
         return init_kv_pages(self.kv_spec.replace(num_pages=self.num_pages))[None].repeat(
             self.cfg.num_layers, axis=0
+        )
+
+    def _init_sharded_caches(self, plan: ShardingPlan) -> Any:
+        stacked = not isinstance(self.params["layers"], list)
+        shape = ((self.cfg.num_layers,) if stacked else ()) + self.kv_spec.shape
+        dtype = (
+            np.dtype(self.kv_spec.dtype) if self.kv_spec.dtype != "bfloat16" else jax.numpy.bfloat16
+        )
+        zeros = jax.jit(
+            lambda: jax.numpy.zeros(shape, dtype), out_shardings=plan.cache_sharding(shape)
+        )
+        return zeros() if stacked else [zeros() for _ in range(self.cfg.num_layers)]
+
+    def _sharded_step(self) -> Any:
+        assert self.plan is not None
+        caches = jax.tree.map(lambda x: x.sharding, self.kv_caches)
+        return jax.jit(
+            step,
+            static_argnames=("options",),
+            donate_argnames=("kv_caches",),
+            out_shardings=(self.plan.replicated, caches),
         )
 
     # ---- compilation ---------------------------------------------------------------------
@@ -125,6 +172,7 @@ class ModelRunner:
             apply_penalties=penalties,
             num_top_logprobs=MAX_LOGPROBS if logprobs else 0,
             num_prompt_logprobs=MAX_LOGPROBS if prompt_logprobs else None,
+            sharding=self.plan,
         )
 
     def warm_up(self, *, progress: bool = True) -> float:
@@ -139,7 +187,7 @@ class ModelRunner:
         key = (t, s, options)
         if key not in self._compiled:
             batch = self._abstract_batch(t, s, options)
-            lowered = jitted_step.lower(self.params, self.kv_caches, batch, options=options)
+            lowered = self._step.lower(self.params, self.kv_caches, batch, options=options)
             self._compiled[key] = lowered.compile()
             log.debug("compiled step for %d tokens, %d sequences (%s)", t, s, options)
         return self._compiled[key]
@@ -148,8 +196,10 @@ class ModelRunner:
         example = self.builder.build_padded(
             SchedulerOutput(), None, t, s, penalties=options.apply_penalties
         )
+        sharding = None if self.plan is None else self.plan.replicated
         return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), example
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding),
+            example,
         )
 
     @property
@@ -167,10 +217,21 @@ class ModelRunner:
         """Starts one step and returns at once; its outputs are device arrays still being
         computed (`fetch` waits for them), so the host can work in the meantime."""
         batch = self.builder.build(out, kv_manager, penalties=options.apply_penalties)
+        return self.run_batch(batch, options)
+
+    def run_batch(self, batch: StepInput, options: StepOptions) -> StepOutput:
+        """Starts the step on a built (NumPy) batch."""
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
         executable = self._executable(t, s, options)
-        result, self.kv_caches = executable(self.params, self.kv_caches, jax.device_put(batch))
+        if self.before_step is not None:
+            self.before_step(batch, options)
+        placed = jax.device_put(batch) if self.plan is None else self._put(batch)
+        result, self.kv_caches = executable(self.params, self.kv_caches, placed)
         return result
+
+    def _put(self, batch: StepInput) -> StepInput:
+        assert self.plan is not None
+        return put_replicated(batch, self.plan.replicated)
 
     @staticmethod
     def fetch(result: StepOutput) -> StepOutput:

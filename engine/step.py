@@ -6,8 +6,10 @@ Shapes: T padded tokens, S padded sequences, P page-table width, V vocabulary, K
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -17,6 +19,9 @@ from engine.models import registry
 from engine.models.layers import Params
 from pallas_kernels.kv_cache_update import write_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+if TYPE_CHECKING:
+    from sharding.rules import ShardingPlan
 
 
 @jax.tree_util.register_dataclass
@@ -47,6 +52,25 @@ class StepOutput:
     prompt: sampling.SamplerOutput | None = None  # per token [T]; when prompt logprobs are asked
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What paged attention needs besides q, k, v and the cache (a StepInput's, or one
+    micro-batch's of it)."""
+
+    slot_mapping: Any  # i32[T]
+    kv_lens: Any  # i32[S]
+    page_table: Any  # i32[S, P]
+    cu_q_lens: Any  # i32[S+1]
+    num_seqs: Any  # i32[]
+
+    @classmethod
+    def of(cls, batch: StepInput) -> AttentionMetadata:
+        return cls(
+            batch.slot_mapping, batch.kv_lens, batch.page_table, batch.cu_q_lens, batch.num_seqs
+        )
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """What is static about a step besides the bucket shapes (hashable: a jit cache key)."""
@@ -56,6 +80,35 @@ class StepOptions:
     apply_penalties: bool = False
     num_top_logprobs: int = 0
     num_prompt_logprobs: int | None = None  # None: no prompt logprobs
+    sharding: ShardingPlan | None = None  # None: one device
+
+
+def paged_attention(
+    q: jax.Array,  # f[T, N, H]
+    k: jax.Array,  # f[T, K, H]
+    v: jax.Array,  # f[T, K, H]
+    kv_pages: jax.Array,  # one layer's cache
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    impl: str | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Writes the tokens' K/V into the cache, then attends over it: (f[T, N, H], kv_pages).
+    The cache may be wider than the model (CacheConfig.dtype); q is cast to it and back."""
+    kv_pages = write_kv(kv_pages, k, v, meta.slot_mapping)
+    out = ragged_paged_attention(
+        q.astype(kv_pages.dtype),
+        kv_pages,
+        meta.kv_lens,
+        meta.page_table,
+        meta.cu_q_lens,
+        meta.num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        impl=impl,
+    )
+    return out.astype(q.dtype), kv_pages
 
 
 def _forward(
@@ -63,25 +116,27 @@ def _forward(
 ) -> tuple[jax.Array, Any]:
     """Runs the model over the batch's tokens, writing their K/V into the paged caches;
     returns the final hidden states f[T, D] and the caches."""
-    cfg = options.cfg
-    scale = registry.family(cfg).sm_scale(cfg)
+    cfg, plan = options.cfg, options.sharding
+    attend: Callable[..., Any] = functools.partial(
+        paged_attention,
+        sm_scale=registry.family(cfg).sm_scale(cfg),
+        impl=options.attention_impl,
+    )
+    if plan is not None:
+        attend = plan.shard_attention(attend)
+    meta = AttentionMetadata.of(batch)
+    if plan is not None and plan.pp > 1:
+        from sharding import pipeline
+
+        return pipeline.forward(
+            registry.family(cfg), params, kv_caches, batch.token_ids, batch.positions, meta,
+            attend, plan=plan, cfg=cfg,
+        )  # fmt: skip
 
     def attention(
         q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array, *, sliding_window: int | None
     ) -> Any:
-        kv_pages = write_kv(kv_pages, k, v, batch.slot_mapping)
-        out = ragged_paged_attention(
-            q.astype(kv_pages.dtype),  # the cache may be wider than the model (CacheConfig.dtype)
-            kv_pages,
-            batch.kv_lens,
-            batch.page_table,
-            batch.cu_q_lens,
-            batch.num_seqs,
-            sm_scale=scale,
-            sliding_window=sliding_window,
-            impl=options.attention_impl,
-        )
-        return out.astype(q.dtype), kv_pages
+        return attend(q, k, v, kv_pages, meta, sliding_window=sliding_window)
 
     return registry.forward(params, batch.token_ids, batch.positions, kv_caches, attention, cfg=cfg)
 

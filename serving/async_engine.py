@@ -96,6 +96,11 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def fail(self, error: BaseException) -> None:
+        """Marks the engine failed from outside its loop (a multi-process follower died): it
+        stops taking requests and reports unhealthy."""
+        self.error = error
+
     def abort(self, request_id: str) -> None:
         def abort() -> None:
             self._streams.pop(request_id, None)

@@ -103,7 +103,38 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds running requests get to finish on SIGTERM or Ctrl-C",
     )
+    _add_parallel_args(serve)
     serve.set_defaults(run=_serve)
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism (see sharding/)")
+    group.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="engine replicas, each with its own scheduler and KV cache",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="devices that split each layer's heads, MLP and vocabulary",
+    )
+    group.add_argument(
+        "--pipeline-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="pipeline stages that split the layers",
+    )
+    group.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="HOST:PORT of process 0, for an engine over several processes (found "
+        "automatically on Cloud TPU)",
+    )
+    group.add_argument("--num-processes", type=_positive_int, default=None)
+    group.add_argument("--process-id", type=_non_negative_int, default=None)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -13,12 +13,14 @@ import asyncio
 import importlib.util
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Generator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+import jax
 import uvicorn
 from tqdm import tqdm
 
@@ -26,14 +28,22 @@ from engine.errors import XlaserveError
 from engine.tokenizer import Tokenizer
 from serving.async_engine import AsyncEngine
 from serving.openai import attach_engine, create_app
+from sharding import multihost
 
 log = logging.getLogger("xlaserve.serve")
 ENGINE_STOP_TIMEOUT = 5.0  # after the HTTP side drained, what the engine loop still gets
+FAILED_EXIT_DELAY = 2.0  # a leader whose follower died answers /health 503 this long, then exits
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serves until SIGTERM or Ctrl-C; returns the exit status."""
+    """Serves until SIGTERM or Ctrl-C; returns the exit status. In a multi-process engine only
+    process 0 serves; the others run the steps it sends until it stops."""
     log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    distributed = multihost.initialize(
+        args.coordinator_address, args.num_processes, args.process_id
+    )
+    if distributed and not multihost.is_leader():
+        return _follow(args)
     name = args.served_model_name or args.model
     app = create_app(
         None,
@@ -62,6 +72,8 @@ async def _serve(args: argparse.Namespace, app: Any, server: _Server, name: str)
     def on_loaded(async_engine: AsyncEngine, tokenizer: Tokenizer) -> None:
         loaded["engine"] = async_engine
         attach_engine(app, async_engine, tokenizer)
+        if jax_process_count() > 1:
+            _watch_followers(async_engine, loop, on_follower_dead)
         if args.grpc_port is not None:
             try:
                 loaded["grpc"] = _start_grpc(async_engine, tokenizer, args, name)
@@ -74,9 +86,15 @@ async def _serve(args: argparse.Namespace, app: Any, server: _Server, name: str)
         loaded["error"] = error
         server.should_exit = True
 
+    def on_follower_dead(error: BaseException) -> None:
+        loaded["follower_dead"] = True  # the engine loop may be stuck in a collective with it
+        loop.call_later(FAILED_EXIT_DELAY, on_failed, error)
+
     def load() -> None:
         try:
             result = load_engine(args)
+            if jax_process_count() > 1:
+                loaded["leader"] = _lead(result[0])
         except BaseException as e:
             loop.call_soon_threadsafe(on_failed, e)
         else:
@@ -94,8 +112,13 @@ async def _serve(args: argparse.Namespace, app: Any, server: _Server, name: str)
     if server.on_exit.ident is None:
         server.on_exit.start()
     await asyncio.to_thread(server.on_exit.join)
+    if "follower_dead" in loaded:
+        print(f"xlaserve: error: {loaded['error']}", file=sys.stderr)
+        multihost.exit_now(1)
     if "engine" in loaded:
         await asyncio.to_thread(loaded["engine"].shutdown, ENGINE_STOP_TIMEOUT)
+    if "leader" in loaded:
+        loaded["leader"].stop()
     if "error" in loaded:
         raise loaded["error"]
     log.info("stopped")
@@ -103,9 +126,14 @@ async def _serve(args: argparse.Namespace, app: Any, server: _Server, name: str)
 
 
 def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
-    """Loads the model and compiles the engine's steps, with progress bars."""
+    """Loads the model (sharded over the parallel sizes' mesh) and compiles the engine's
+    steps, with progress bars."""
+    engine, tokenizer = _load(args, warm_up=True)
+    return AsyncEngine(engine), tokenizer
+
+
+def _load(args: argparse.Namespace, *, warm_up: bool) -> tuple[Any, Tokenizer]:
     from engine.config import CacheConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
     from engine.tokenizer import load_tokenizer
     from engine.weights import open_checkpoint, resolve_model
     from serving.cli import _enable_compilation_cache
@@ -115,7 +143,6 @@ def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
         checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
         tokenizer = load_tokenizer(checkpoint.files.path)
         bar.update()
-        params = checkpoint.load_params()
         bar.update()
     max_model_len = args.max_model_len or min(checkpoint.cfg.max_position_embeddings, 4096)
     try:
@@ -129,14 +156,73 @@ def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
         )
     except ValueError as e:
         raise XlaserveError(str(e)) from e
-    engine = LLMEngine(
-        checkpoint.cfg,
-        params,
+    engine = _build_engine(
+        args,
+        checkpoint,
         tokenizer,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
+        warm_up=warm_up,
     )
-    return AsyncEngine(engine), tokenizer
+    return engine, tokenizer
+
+
+def _build_engine(
+    args: argparse.Namespace, checkpoint: Any, tokenizer: Tokenizer, **kwargs: Any
+) -> Any:
+    """An LLMEngine over the (pp, tp) mesh, or --data-parallel-size replicas of one."""
+
+    from engine.llm_engine import LLMEngine
+    from sharding.data_parallel import DataParallelEngine
+    from sharding.mesh import make_mesh, replica_meshes
+    from sharding.rules import ShardingPlan
+
+    dp, tp, pp = args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size
+    if dp * tp * pp == 1 and jax.process_count() == 1:
+        return LLMEngine(checkpoint.cfg, checkpoint.load_params(), tokenizer, **kwargs)
+    devices = jax.devices()[: dp * tp * pp] if jax.process_count() == 1 else None
+    meshes = replica_meshes(make_mesh(dp=dp, tp=tp, pp=pp, devices=devices))
+    if dp > 1:
+        if jax.process_count() > 1:
+            raise XlaserveError("data parallelism across processes: run one server per replica")
+        params = [checkpoint.load_params(ShardingPlan.create(m, checkpoint.cfg)) for m in meshes]
+        return DataParallelEngine(checkpoint.cfg, params, tokenizer, meshes=meshes, **kwargs)
+    params = checkpoint.load_params(ShardingPlan.create(meshes[0], checkpoint.cfg))
+    engine = LLMEngine(checkpoint.cfg, params, tokenizer, mesh=meshes[0], **kwargs)
+    return engine
+
+
+def jax_process_count() -> int:
+    return jax.process_count()
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """A follower process: builds the same engine as the leader, then runs its steps."""
+    multihost.start_heartbeat()
+    engine, _ = _load(args, warm_up=True)
+    log.info("process %d following process 0", args.process_id)
+    multihost.follow(engine.runner)
+    return 0
+
+
+def _lead(async_engine: AsyncEngine) -> Any:
+    """Process 0 of a multi-process engine: each step goes to the followers first."""
+    leader = multihost.Leader()
+    async_engine.engine.runner.before_step = leader.send
+    leader.wait_for_followers()
+    return leader
+
+
+def _watch_followers(
+    async_engine: AsyncEngine, loop: asyncio.AbstractEventLoop, on_dead: Any
+) -> None:
+    def dead(process_id: int) -> None:
+        error = XlaserveError(f"process {process_id} of the engine stopped responding")
+        log.error("%s; stopping", error)
+        async_engine.fail(error)
+        loop.call_soon_threadsafe(on_dead, error)
+
+    multihost.monitor_followers(dead)
 
 
 def _start_grpc(

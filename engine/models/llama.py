@@ -33,6 +33,26 @@ def forward(
     `attention` sees each layer's rotated q, k, v and that layer's entry of `caches`; it decides
     what the tokens attend to (a whole sequence, or a ragged batch over a paged cache).
     """
+    x = embed(params, token_ids, cfg=cfg)
+    x, caches = decoder(params["layers"], x, positions, caches, attention, cfg=cfg)
+    return final_norm(params, x, cfg=cfg), caches
+
+
+def embed(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """i32[T] -> f[T, D]."""
+    return params["embed"][token_ids]
+
+
+def decoder(
+    layer_params: list[Params] | Params,
+    x: jax.Array,  # f[T, D]
+    positions: jax.Array,  # i32[T]
+    caches: Any,
+    attention: AttentionFn,
+    *,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, Any]:
+    """The decoder layers (any contiguous run of them, per-layer or stacked) over x."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def layer(x: jax.Array, p: Params, cache: Any) -> tuple[jax.Array, Any]:
@@ -52,9 +72,11 @@ def forward(
             x = x + layers.gated_mlp(h, p, jax.nn.silu)
         return x, cache
 
-    x = params["embed"][token_ids]
-    x, caches = layers.run_layers(layer, x, params["layers"], caches)
-    return layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), caches
+    return layers.run_layers(layer, x, layer_params, caches)
+
+
+def final_norm(params: Params, x: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    return layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:

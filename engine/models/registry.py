@@ -25,6 +25,11 @@ class ModelFamily:
     config_from_hf: Callable[..., ModelConfig]
     config_from_gguf: Callable[..., ModelConfig]
     hf_tensor_specs: Callable[[ModelConfig], dict[str, llama.TensorSpec]]
+    # forward = final_norm(decoder(embed(...))), in parts: pipeline stages run decoder on
+    # their slice of the layers. None: the family has no parts (no pipeline parallelism).
+    embed: Callable[..., jax.Array] | None = None
+    decoder: Callable[..., tuple[jax.Array, Any]] | None = None
+    final_norm: Callable[..., jax.Array] | None = None
 
 
 LLAMA = ModelFamily(
@@ -35,6 +40,9 @@ LLAMA = ModelFamily(
     config_from_hf=llama.config_from_hf,
     config_from_gguf=llama.config_from_gguf,
     hf_tensor_specs=llama.hf_tensor_specs,
+    embed=llama.embed,
+    decoder=llama.decoder,
+    final_norm=llama.final_norm,
 )
 
 GEMMA3 = ModelFamily(

@@ -8,9 +8,11 @@ Sources:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,6 +27,7 @@ from engine.models import registry
 from engine.models.layers import Params
 from engine.models.llama import TensorSpec
 from engine.weights import gguf_file, hf_checkpoint
+from sharding.rules import ShardingPlan, param_axes
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +123,15 @@ class Checkpoint:
     cfg: ModelConfig
     source: TensorSource
 
-    def load_params(self) -> Params:
-        """Converts and places every tensor on the device."""
+    def load_params(self, plan: ShardingPlan | None = None) -> Params:
+        """Converts and places every tensor on the device; with a sharding plan, each process
+        places only the slices its devices hold, of the tensors they hold (layers stacked
+        when the plan has pipeline stages)."""
         specs = registry.family(self.cfg).hf_tensor_specs(self.cfg)
-        params = build_params(self.cfg, specs, self.source)
+        if plan is None:
+            params = build_params(self.cfg, specs, self.source)
+        else:
+            params = build_sharded_params(self.cfg, specs, self.source, plan)
         logger.info("loaded %s: %s parameters", self.files.path, f"{param_count(params):,}")
         return params
 
@@ -192,6 +200,67 @@ def build_params(cfg: ModelConfig, specs: dict[str, TensorSpec], source: TensorS
             node = node[key]
         node[leaf] = value
     return params
+
+
+def build_sharded_params(
+    cfg: ModelConfig, specs: dict[str, TensorSpec], source: TensorSource, plan: ShardingPlan
+) -> Params:
+    """Each leaf made from its shards: a device's shard is cut from the converted tensors it
+    covers, read once per process (a stacked leaf reads only its stage's layers)."""
+    dtype = jnp.dtype(cfg.dtype)
+    stacked = plan.pp > 1
+    groups: dict[tuple[Any, ...], list[TensorSpec]] = defaultdict(list)
+    for spec in specs.values():  # HF names list each layer's tensors in layer order
+        key = ("layers", spec.path[2]) if stacked and spec.path[0] == "layers" else spec.path
+        groups[key].append(spec)
+
+    name_of = {spec: name for name, spec in specs.items()}
+
+    @functools.cache
+    def read(spec: TensorSpec) -> np.ndarray:
+        return spec.convert(source.get(name_of[spec])).astype(dtype)
+
+    params: dict[str, Any] = {"layers": {} if stacked else [{} for _ in range(cfg.num_layers)]}
+    for key, group in groups.items():
+        convert = group[0].convert
+        shape = jax.eval_shape(
+            lambda w, f=convert: f(w), jax.ShapeDtypeStruct(group[0].shape, dtype)
+        ).shape
+        if len(group) > 1:  # stacked over layers
+            shape = (len(group), *shape)
+            leaf = _stacked_leaf(shape, group, read, plan)
+        else:
+            leaf = jax.make_array_from_callback(
+                shape, _leaf_sharding(plan, key, shape), functools.partial(_cut, read, group[0])
+            )
+        read.cache_clear()
+        *parents, last = key
+        node: Any = params
+        for part in parents:
+            node = node[part]
+        node[last] = leaf
+    return params
+
+
+def _cut(read: Any, spec: TensorSpec, index: Any) -> np.ndarray:
+    return read(spec)[index]
+
+
+def _leaf_sharding(plan: ShardingPlan, key: tuple[Any, ...], shape: tuple[int, ...]) -> Any:
+    path = tuple(jax.tree_util.DictKey(k) for k in key if isinstance(k, str))
+    return plan.sharding(param_axes(path, len(shape)), shape)
+
+
+def _stacked_leaf(
+    shape: tuple[int, ...], group: list[TensorSpec], read: Any, plan: ShardingPlan
+) -> jax.Array:
+    def shard(index: Any) -> np.ndarray:
+        layers = range(len(group))[index[0]]
+        return np.stack([read(group[i])[index[1:]] for i in layers])
+
+    return jax.make_array_from_callback(
+        shape, _leaf_sharding(plan, ("layers", group[0].path[2]), shape), shard
+    )
 
 
 def param_count(params: Params) -> int:

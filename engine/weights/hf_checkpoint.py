@@ -53,7 +53,10 @@ class SafetensorsSource:
 
     def get(self, name: str) -> np.ndarray:
         # framework="flax" because NumPy has no bfloat16; the array stays on the host CPU.
-        with jax.default_device(jax.devices("cpu")[0]), _open(self._file_of[name]) as f:
+        with (
+            jax.default_device(jax.local_devices(backend="cpu")[0]),
+            _open(self._file_of[name]) as f,
+        ):
             return np.asarray(f.get_tensor(name))
 
 

@@ -1,0 +1,128 @@
+"""CPU step time of a tensor-parallel engine (TP=1, 2, 4) on 8 simulated devices.
+
+    .venv/bin/python bench/tensor_parallel.py [--repeats 20] [--write-results]
+
+A random Llama-shaped model (float32), 8 requests of 128-token prompts: the median time of
+the prefill steps (64 tokens each) and of the decode steps (8 sequences, one token each),
+through the whole engine, compilation excluded. The 8 "devices" share this machine's cores,
+so this measures the overhead of sharding (collectives, per-shard dispatch), not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+NUM_DEVICES = 8
+TITLE = "Tensor-parallel step time on simulated CPU devices (bench/tensor_parallel.py)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--write-results", action="store_true")
+    args = parser.parse_args()
+    # Before JAX starts its backend (JAX itself is imported below, after this).
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
+    import jax
+
+    from bench import common
+
+    rows = [measure(tp, args.repeats) for tp in (1, 2, 4)]
+    table = [
+        "| TP | prefill step, 64 tokens (ms) | decode step, 8 seqs (ms) | decode tokens/s |",
+        "|---|---|---|---|",
+        *(f"| {tp} | {p * 1e3:.1f} | {d * 1e3:.1f} | {8 / d:.0f} |" for tp, p, d in rows),
+    ]
+    command = "python bench/tensor_parallel.py " + " ".join(sys.argv[1:])
+    text = "\n".join(
+        [
+            *common.preamble(command, {"jax": jax.__version__}),
+            f"- model: random Llama, {describe(CFG)}, float32; 8 requests of 128-token prompts",
+            f"- devices: {NUM_DEVICES} simulated CPU devices sharing the machine's cores",
+            "- note: an XLA:CPU device runs a step on one thread, so on this 2-core machine "
+            "TP=2 gets both cores where TP=1 uses one, and TP=4 puts 4 threads and their "
+            "collectives on 2 cores; the machine is shared and noisy (see shared/BASELINES.md)",
+            "",
+            *table,
+        ]
+    )
+    print(text)
+    if args.write_results:
+        common.write_section(TITLE, text)
+    return 0
+
+
+def config():  # type: ignore[no-untyped-def]
+    from engine.config import ModelConfig
+
+    return ModelConfig(
+        architecture="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536,
+        num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, max_position_embeddings=1024,
+    )  # fmt: skip
+
+
+CFG = None
+
+
+def describe(cfg) -> str:  # type: ignore[no-untyped-def]
+    return (
+        f"{cfg.num_layers} layers, d={cfg.hidden_size}, {cfg.num_heads} heads / "
+        f"{cfg.num_kv_heads} KV heads, MLP {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+    )
+
+
+def measure(tp: int, repeats: int) -> tuple[int, float, float]:
+    import jax
+
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+    from sharding.mesh import make_mesh
+    from tests.pallas_kernels.test_export_step import random_params
+
+    global CFG
+    CFG = CFG or config()
+    mesh = make_mesh(tp=tp, devices=jax.devices()[:tp]) if tp > 1 else None
+    engine = LLMEngine(
+        CFG, random_params(CFG), byte_tokenizer(),
+        cache_config=CacheConfig(page_size=16, num_pages=256),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024
+        ),
+        warm_up=False, mesh=mesh,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=repeats + 3, ignore_eos=True)
+    for i in range(8):
+        engine.add_request(f"r{i}", [(i * 131 + j) % 8000 + 100 for j in range(128)], params)
+    prefill, decode = [], []
+    while engine.has_unfinished_requests():
+        prompt_tokens = engine.stats.num_computed_prompt_tokens
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        is_prefill = engine.stats.num_computed_prompt_tokens > prompt_tokens
+        (prefill if is_prefill else decode).append(seconds)
+    # The first step of each kind compiled its bucket.
+    return tp, statistics.median(prefill[1:]), statistics.median(decode[1:])
+
+
+def byte_tokenizer():  # type: ignore[no-untyped-def]
+    """The tests' byte-level tokenizer: outputs past its 260 ids detokenize to nothing, and
+    the benchmark needs no text."""
+    import tempfile
+    from pathlib import Path
+
+    from engine.tokenizer import load_tokenizer
+    from tests.engine.tiny_model import write_byte_tokenizer
+
+    directory = Path(tempfile.mkdtemp())
+    write_byte_tokenizer(directory)
+    return load_tokenizer(directory)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
