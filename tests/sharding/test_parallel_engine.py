@@ -1,8 +1,8 @@
 """Sharded engines against the single-device engine (the oracle), through the whole engine:
 greedy tokens identical; logits, and the logprobs the engine returns, equal within 1e-5
-(float32) relative to the row's scale (its largest |value|, at least 1): tensor parallelism
-sums a matmul's partial products in another order, which moves logits by ~2e-6 of the row's
-largest (up to ~2e-5 absolute for logits up to 7.7 of this random model)."""
+(float32). Tensor parallelism sums a matmul's partial products in another order, which moves
+logits by a few ulps: ~2e-5 on the suite's tiny model (logits up to ~7.7), so these tests use
+one with logits of magnitude ~2 (tests/sharding/conftest.py)."""
 
 from __future__ import annotations
 
@@ -59,10 +59,8 @@ def assert_same(got, want) -> None:
         assert tokens == want_tokens
         for entry, want_entry in zip(logprobs, want_logprobs, strict=True):
             assert entry.keys() == want_entry.keys()
-            scale = max(1.0, *(abs(x) for x in want_entry.values()))
-            diffs = [abs(entry[t] - want_entry[t]) / scale for t in entry]
-            worst = max(worst, *diffs)
-    print(f"max relative logprob difference = {worst:.2e}")
+            worst = max(worst, *(abs(entry[t] - want_entry[t]) for t in entry))
+    print(f"max logprob difference = {worst:.2e}")
     assert worst <= TOLERANCE
 
 
@@ -73,8 +71,8 @@ def test_sharded_engine_matches_single_device(tiny, single_device, tp: int, pp: 
     engine = build_engine(tiny, tp=tp, pp=pp)
     logits = prefill_logits(engine)
     print(f"max |logit difference| = {np.abs(logits - single_device[0]).max():.2e}")
-    scale = np.maximum(1.0, np.abs(single_device[0]).max(axis=-1))
-    assert (np.abs(logits - single_device[0]).max(axis=-1) <= TOLERANCE * scale).all()
+    assert np.abs(single_device[0]).max() > 1.0  # the bound is tight for logits of this scale
+    assert np.abs(logits - single_device[0]).max() <= TOLERANCE
     assert_same(generate(engine), single_device[1])
 
     if tp > 1 and pp == 1:  # (stages each hold the embedding and the output layer)
