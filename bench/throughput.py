@@ -2,12 +2,13 @@
 same model, machine and prompts, in one run.
 
     .venv/bin/python bench/throughput.py [--num-prompts 256] [--input-len 128:512]
-        [--output-len 128] [--hf-batch-size 16] [--skip-hf] [--write-results]
+        [--output-len 128] [--dtype float32|bfloat16] [--hf-batch-size 16] [--skip-hf]
+        [--write-results]
 
 Prompts are random token ids (fixed seed) with lengths drawn from --input-len; every request
 generates exactly --output-len tokens (EOS ignored), greedy. Also measures single-stream decode
 (one request, 512-token prompt) against the bandwidth floor: weight bytes read once per token at
-the machine's measured read bandwidth.
+the machine's measured read bandwidth. Both systems run in --dtype.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) ->
     return [[rng.randrange(low, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
-def run_xlaserve(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> Result:
+def run_xlaserve(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, dtype: str
+) -> Result:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     ids = [f"bench-{i}" for i in range(len(prompts))]
     start = time.perf_counter()
@@ -61,7 +64,7 @@ def run_xlaserve(engine: LLMEngine, prompts: list[list[int]], output_len: int) -
     outputs = run_to_completion(engine, ids)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return Result("xlaserve (float32)", seconds, len(prompts), tokens)
+    return Result(f"xlaserve ({dtype})", seconds, len(prompts), tokens)
 
 
 def single_stream_decode(engine: LLMEngine, output_len: int) -> float:
@@ -78,7 +81,9 @@ def single_stream_decode(engine: LLMEngine, output_len: int) -> float:
     return (output_len - 1) / (time.perf_counter() - first)
 
 
-def run_transformers(path: str, prompts: list[list[int]], output_len: int, batch: int) -> Result:
+def run_transformers(
+    path: str, prompts: list[list[int]], output_len: int, batch: int, dtype: str
+) -> Result:
     import torch
     import transformers
 
@@ -87,7 +92,7 @@ def run_transformers(path: str, prompts: list[list[int]], output_len: int, batch
     kwargs = {"gguf_file": files.path.name} if files.is_gguf else {}
     directory = files.path.parent if files.is_gguf else files.path
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, **kwargs
+        directory, dtype=getattr(torch, dtype), **kwargs
     ).eval()
     pad = 0
     start = time.perf_counter()
@@ -108,7 +113,7 @@ def run_transformers(path: str, prompts: list[list[int]], output_len: int, batch
             )
         tokens += (out.shape[1] - width) * len(group)
     return Result(
-        f"transformers {transformers.__version__} (float32, batch {batch})",
+        f"transformers {transformers.__version__} ({dtype}, batch {batch})",
         time.perf_counter() - start,
         len(prompts),
         tokens,
@@ -123,6 +128,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--write-results", action="store_true")
@@ -131,7 +137,7 @@ def main() -> None:
     low, _, high = args.input_len.partition(":")
     lengths = (int(low), int(high or low))
 
-    checkpoint = open_checkpoint(resolve_model(args.model))
+    checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
     params = checkpoint.load_params()
     engine = LLMEngine(
         checkpoint.cfg,
@@ -145,12 +151,14 @@ def main() -> None:
         ),
     )
     prompts = make_prompts(args.num_prompts, lengths, checkpoint.cfg.vocab_size)
-    results = [run_xlaserve(engine, prompts, args.output_len)]
+    results = [run_xlaserve(engine, prompts, args.output_len, args.dtype)]
     decode = single_stream_decode(engine, min(args.output_len, 64))
     if not args.skip_hf:
-        results.append(run_transformers(args.model, prompts, args.output_len, args.hf_batch_size))
+        results.append(
+            run_transformers(args.model, prompts, args.output_len, args.hf_batch_size, args.dtype)
+        )
 
-    weight_bytes = param_count(params) * 4
+    weight_bytes = param_count(params) * jax.numpy.dtype(args.dtype).itemsize
     read_gbs = common.memory_bandwidth_gbs()
     floor = read_gbs * 1e9 / weight_bytes
     lines = [
@@ -158,7 +166,7 @@ def main() -> None:
             ".venv/bin/python bench/throughput.py " + " ".join(sys.argv[1:]),
             {"jax": jax.__version__},
         ),
-        f"- model: {args.model}, float32 weights ({weight_bytes / 1e6:.0f} MB)",
+        f"- model: {args.model}, {args.dtype} weights ({weight_bytes / 1e6:.0f} MB)",
         f"- workload: {args.num_prompts} prompts of {args.input_len} tokens, "
         f"{args.output_len} output tokens each, greedy, EOS ignored",
         "",
