@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,31 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+QUANTIZATION_METHODS = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight-only quantization of every linear layer: int8 per output channel, or int4 in
+    groups of `group_size` along the input axis; the embedding/output layer is int8 in groups
+    of 32 under both (see engine/weights/quantize.py)."""
+
+    method: str  # "int8" | "int4"
+    group_size: int = 32  # int4 only: 32, 64 or 128
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.method!r}"
+            )
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"int4 group size must be 32, 64 or 128, got {self.group_size}")
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.method == "int8" else 4
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: page size and how much memory it may take.
@@ -86,8 +112,15 @@ class CacheConfig:
     memory_bytes: int | None = None
     memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
+    # None: the model's dtype; "int8" / "fp8" (e4m3): one byte per value plus a float32 scale
+    # per token and head (pallas_kernels/kv_cache_update/layout.py)
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+            raise ValueError(
+                f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:

@@ -18,6 +18,7 @@ from engine.config import ModelConfig, RopeScaling
 from engine.errors import UnsupportedModelError
 from engine.models import layers
 from engine.models.layers import AttentionFn, Params
+from engine.models.quant import materialize, take_rows
 
 
 def forward(
@@ -53,7 +54,7 @@ def forward(
             x = x + layers.gated_mlp(h, p, jax.nn.silu)
         return x, cache
 
-    x = params["embed"][token_ids]
+    x = take_rows(params["embed"], token_ids)
     x, caches = layers.run_layers(layer, x, params["layers"], caches)
     return layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), caches
 
@@ -61,7 +62,7 @@ def forward(
 def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """f[T, D] -> f32[T, V]; the embedding doubles as the output layer when tied."""
     unembed = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("TD,VD->TV", hidden, unembed, preferred_element_type=jnp.float32)
+    return jnp.einsum("TD,VD->TV", hidden, materialize(unembed), preferred_element_type=jnp.float32)
 
 
 def sm_scale(cfg: ModelConfig) -> float:
@@ -182,7 +183,8 @@ def hf_tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     )
 
     def heads_in(num: int) -> Callable[[np.ndarray], np.ndarray]:
-        return lambda w: w.T.reshape(d, num, h)  # [num*h, d] -> [d, num, h]
+        # [num*h, d] -> [d, num, h]; -1, not d: the same layout change applies to group scales
+        return lambda w: w.T.reshape(-1, num, h)
 
     specs = {
         "model.embed_tokens.weight": TensorSpec(("embed",), (cfg.vocab_size, d), _keep),
@@ -198,7 +200,7 @@ def hf_tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
             "self_attn.q_proj.weight": ("wq", (n * h, d), heads_in(n)),
             "self_attn.k_proj.weight": ("wk", (k * h, d), heads_in(k)),
             "self_attn.v_proj.weight": ("wv", (k * h, d), heads_in(k)),
-            "self_attn.o_proj.weight": ("wo", (d, n * h), lambda w: w.T.reshape(n, h, d)),
+            "self_attn.o_proj.weight": ("wo", (d, n * h), lambda w: w.T.reshape(n, -1, d)),
             "mlp.gate_proj.weight": ("w_gate", (f, d), np.transpose),
             "mlp.up_proj.weight": ("w_up", (f, d), np.transpose),
             "mlp.down_proj.weight": ("w_down", (d, f), np.transpose),

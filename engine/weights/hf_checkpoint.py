@@ -56,6 +56,10 @@ class SafetensorsSource:
         with jax.default_device(jax.devices("cpu")[0]), _open(self._file_of[name]) as f:
             return np.asarray(f.get_tensor(name))
 
+    def get_blocks(self, name: str, bits: int) -> None:
+        """Safetensors hold float tensors: nothing to take as quantized blocks."""
+        return None
+
 
 def _open(file: Path) -> Any:
     try:
