@@ -72,8 +72,9 @@ class ModelRunner:
         self.cfg = cfg
         self.params = params
         self.attention_impl = attention_impl
+        self.kv_cache_dtype = cache_config.kv_cache_dtype or cfg.dtype
         one_page = self._kv_spec(num_pages=1, page_size=cache_config.page_size)
-        page_bytes = int(np.prod(one_page.shape)) * np.dtype(cfg.dtype).itemsize * cfg.num_layers
+        page_bytes = one_page.nbytes * cfg.num_layers
         self.num_pages = num_pages_for(cache_config, page_bytes)
         self.kv_spec = one_page.replace(num_pages=self.num_pages)
         self.kv_caches = self._init_caches()
@@ -95,15 +96,15 @@ class ModelRunner:
             page_size=page_size,
             num_kv_heads=self.cfg.num_kv_heads,
             head_dim=self.cfg.head_dim,
-            dtype=self.cfg.dtype,
+            dtype=self.kv_cache_dtype,
         )
 
     def _init_caches(self) -> Any:
         """One cache array per layer, laid out like the layer params (a list, or stacked)."""
         if isinstance(self.params["layers"], list):
             return [init_kv_pages(self.kv_spec) for _ in range(self.cfg.num_layers)]
-        return init_kv_pages(self.kv_spec.replace(num_pages=self.num_pages))[None].repeat(
-            self.cfg.num_layers, axis=0
+        return jax.tree.map(
+            lambda x: x[None].repeat(self.cfg.num_layers, axis=0), init_kv_pages(self.kv_spec)
         )
 
     # ---- compilation ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from engine import sampling
 from engine.config import ModelConfig
 from engine.models import registry
 from engine.models.layers import Params
-from pallas_kernels.kv_cache_update import write_kv
+from pallas_kernels.kv_cache_update import KVPages, write_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -66,7 +66,7 @@ def _forward(
     cfg = options.cfg
     scale = registry.family(cfg).sm_scale(cfg)
 
-    def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array) -> Any:
+    def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: KVPages) -> Any:
         kv_pages = write_kv(kv_pages, k, v, batch.slot_mapping)
         out = ragged_paged_attention(
             q,
