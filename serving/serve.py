@@ -14,13 +14,13 @@ import importlib.util
 import logging
 import signal
 import threading
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
 import uvicorn
-from tqdm import tqdm
 
 from engine.errors import XlaserveError
 from engine.tokenizer import Tokenizer
@@ -104,19 +104,22 @@ async def _serve(args: argparse.Namespace, app: Any, server: _Server, name: str)
 
 def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
     """Loads the model and compiles the engine's steps, with progress bars."""
+    from engine import compilation
     from engine.config import CacheConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
     from engine.tokenizer import load_tokenizer
     from engine.weights import open_checkpoint, resolve_model
-    from serving.cli import _enable_compilation_cache
+    from serving.cli import enable_compilation_cache, quantization_config
 
-    _enable_compilation_cache(args.compilation_cache_dir)
-    with tqdm(total=2, desc="loading model", unit="part") as bar:
-        checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
-        tokenizer = load_tokenizer(checkpoint.files.path)
-        bar.update()
-        params = checkpoint.load_params()
-        bar.update()
+    enable_compilation_cache(args.compilation_cache_dir)
+    start = time.perf_counter()
+    checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
+    tokenizer = load_tokenizer(checkpoint.files.path)
+    opened = time.perf_counter()
+    log.info("start-up: opened %s and its tokenizer in %.1f s", args.model, opened - start)
+    params = checkpoint.load_params(quantization_config(args), progress=True)
+    loaded = time.perf_counter()
+    log.info("start-up: weights on the device in %.1f s", loaded - opened)
     max_model_len = args.max_model_len or min(checkpoint.cfg.max_position_embeddings, 4096)
     try:
         scheduler_config = SchedulerConfig(
@@ -125,7 +128,9 @@ def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
             max_model_len=max_model_len,
         )
         cache_config = CacheConfig(
-            memory_bytes=args.kv_cache_memory, memory_fraction=args.gpu_memory_utilization
+            memory_bytes=args.kv_cache_memory,
+            memory_fraction=args.gpu_memory_utilization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except ValueError as e:
         raise XlaserveError(str(e)) from e
@@ -135,6 +140,14 @@ def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
         tokenizer,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
+    )
+    log.info(
+        "start-up: %d step buckets ready in %.1f s (%d XLA compilations so far; a warm "
+        "compilation cache makes that 0); %.1f s in all",
+        engine.runner.num_compiled,
+        time.perf_counter() - loaded,
+        compilation.count(),
+        time.perf_counter() - start,
     )
     return AsyncEngine(engine), tokenizer
 
