@@ -10,9 +10,13 @@ import threading
 
 import jax
 
+# JAX times every executable it obtains with the first event, persistent-cache hits included,
+# and records each hit with the second: compilations are the difference.
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
 _count = 0
+_hits = 0
 _installed = False
 
 
@@ -23,15 +27,24 @@ def _on_event(event: str, duration_secs: float, **kwargs: object) -> None:
             _count += 1
 
 
+def _on_hit(event: str, **kwargs: object) -> None:
+    global _hits
+    if event == _CACHE_HIT_EVENT:
+        with _lock:
+            _hits += 1
+
+
 def install() -> None:
     """Starts counting (idempotent)."""
     global _installed
     with _lock:
         if not _installed:
             jax.monitoring.register_event_duration_secs_listener(_on_event)
+            jax.monitoring.register_event_listener(_on_hit)
             _installed = True
 
 
 def count() -> int:
     """Backend compilations since `install()`; persistent-cache hits are not compilations."""
-    return _count
+    with _lock:
+        return _count - _hits

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,31 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+QUANTIZATION_METHODS = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight-only quantization of every linear layer: int8 per output channel, or int4 in
+    groups of `group_size` along the input axis; the embedding/output layer is int8 in groups
+    of 32 under both (see engine/weights/quantize.py)."""
+
+    method: str  # "int8" | "int4"
+    group_size: int = 32  # int4 only: 32, 64 or 128
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.method!r}"
+            )
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"int4 group size must be 32, 64 or 128, got {self.group_size}")
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.method == "int8" else 4
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: page size and how much memory it may take.
@@ -111,10 +137,16 @@ class CacheConfig:
     memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
     # None: the model's dtype, except float32 on CPU, where XLA has no bf16 gather or scatter
-    # (a bf16 cache there costs a copy of the whole pool per layer and step).
-    dtype: str | None = None
+    # (a bf16 cache there costs a copy of the whole pool per layer and step); "int8" / "fp8"
+    # (e4m3): one byte per value plus a float32 scale per token and head
+    # (pallas_kernels/kv_cache_update/layout.py)
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+            raise ValueError(
+                f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:
@@ -123,13 +155,11 @@ class CacheConfig:
             raise ValueError(f"kv cache memory must be > 0 bytes, got {self.memory_bytes}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"kv cache dtype must be one of {DTYPES}, got {self.dtype!r}")
 
     def kv_dtype(self, model_dtype: str, platform: str) -> str:
         """The cache's dtype for a model of `model_dtype` on `platform`."""
-        if self.dtype is not None:
-            return self.dtype
+        if self.kv_cache_dtype is not None:
+            return self.kv_cache_dtype
         return "float32" if platform == "cpu" else model_dtype
 
 

@@ -83,11 +83,15 @@ class ModelRunner:
         self.params = self._place_params(params)
         self.attention_impl = attention_impl
         self.kv_dtype = cache_config.kv_dtype(cfg.dtype, _platform())
+        if self.plan is not None and self.kv_dtype in ("int8", "fp8"):
+            raise XlaserveError(
+                f"--kv-cache-dtype {self.kv_dtype} is not supported with tensor or pipeline "
+                "parallelism yet; use float32 or bfloat16"
+            )
         one_page = self._kv_spec(num_pages=1, page_size=cache_config.page_size)
         # One page of every layer, as one device holds it (its share of heads and layers).
         shards = 1 if self.plan is None else self.plan.tp * self.plan.pp
-        layer_page_bytes = int(np.prod(one_page.shape)) * np.dtype(self.kv_dtype).itemsize
-        page_bytes = layer_page_bytes * cfg.num_layers // shards
+        page_bytes = one_page.nbytes * cfg.num_layers // shards
         self.num_pages = num_pages_for(cache_config, page_bytes)
         self.kv_spec = one_page.replace(num_pages=self.num_pages)
         self.kv_caches = self._init_caches()
@@ -130,8 +134,8 @@ class ModelRunner:
             return self._init_sharded_caches(self.plan)
         if isinstance(self.params["layers"], list):
             return [init_kv_pages(self.kv_spec) for _ in range(self.cfg.num_layers)]
-        return init_kv_pages(self.kv_spec.replace(num_pages=self.num_pages))[None].repeat(
-            self.cfg.num_layers, axis=0
+        return jax.tree.map(
+            lambda x: x[None].repeat(self.cfg.num_layers, axis=0), init_kv_pages(self.kv_spec)
         )
 
     def _init_sharded_caches(self, plan: ShardingPlan) -> Any:

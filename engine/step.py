@@ -17,7 +17,7 @@ from engine import sampling
 from engine.config import ModelConfig
 from engine.models import registry
 from engine.models.layers import Params
-from pallas_kernels.kv_cache_update import write_kv
+from pallas_kernels.kv_cache_update import KVPages, write_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 if TYPE_CHECKING:
@@ -87,18 +87,19 @@ def paged_attention(
     q: jax.Array,  # f[T, N, H]
     k: jax.Array,  # f[T, K, H]
     v: jax.Array,  # f[T, K, H]
-    kv_pages: jax.Array,  # one layer's cache
+    kv_pages: KVPages,  # one layer's cache, float or quantized
     meta: AttentionMetadata,
     *,
     sm_scale: float,
     sliding_window: int | None,
     impl: str | None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, KVPages]:
     """Writes the tokens' K/V into the cache, then attends over it: (f[T, N, H], kv_pages).
-    The cache may be wider than the model (CacheConfig.dtype); q is cast to it and back."""
+    A float cache may be wider than the model (CacheConfig.kv_cache_dtype); q is cast to it."""
     kv_pages = write_kv(kv_pages, k, v, meta.slot_mapping)
+    cache_dtype = kv_pages.dtype if isinstance(kv_pages, jax.Array) else q.dtype
     out = ragged_paged_attention(
-        q.astype(kv_pages.dtype),
+        q.astype(cache_dtype),
         kv_pages,
         meta.kv_lens,
         meta.page_table,

@@ -13,9 +13,13 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from engine.config import DTYPES
+from engine.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from engine.errors import XlaserveError
+
+if TYPE_CHECKING:
+    from engine.config import QuantizationConfig
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CACHE_DIR = os.path.join(
@@ -182,6 +186,20 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="weight-only quantization of the linear layers (GGUF Q8_0/Q4_* blocks are taken as "
+        "stored; float weights are quantized at load)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="KV cache dtype (default: --dtype); int8 and fp8 (e4m3) store a scale per token "
+        "and head",
+    )
+    parser.add_argument(
         "--compilation-cache-dir",
         default=DEFAULT_CACHE_DIR,
         help="persistent XLA compilation cache ('' to disable)",
@@ -218,11 +236,11 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.tokenizer import load_tokenizer
     from engine.weights import open_checkpoint, resolve_model
 
-    _enable_compilation_cache(args.compilation_cache_dir)
+    enable_compilation_cache(args.compilation_cache_dir)
     checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
     tokenizer = load_tokenizer(checkpoint.files.path)
     start = time.perf_counter()
-    params = checkpoint.load_params()
+    params = checkpoint.load_params(quantization=quantization_config(args))
     log.info("loaded %s in %.1f s", checkpoint.files.path, time.perf_counter() - start)
 
     if args.chat is not None:
@@ -250,7 +268,11 @@ def _generate(args: argparse.Namespace) -> int:
         params,
         tokenizer,
         warm_up=False,
-        cache_config=CacheConfig(page_size, num_pages=-(-max_model_len // page_size)),
+        cache_config=CacheConfig(
+            page_size,
+            num_pages=-(-max_model_len // page_size),
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=1, max_num_batched_tokens=256, max_model_len=max_model_len
         ),
@@ -266,14 +288,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _enable_compilation_cache(directory: str) -> None:
+def quantization_config(args: argparse.Namespace) -> QuantizationConfig | None:
+    from engine.config import QuantizationConfig
+
+    return QuantizationConfig(args.quantization) if args.quantization else None
+
+
+def enable_compilation_cache(directory: str) -> None:
     """XLA's persistent compilation cache: a second start with the same model and flags loads
-    its compiled steps instead of compiling them."""
+    every compiled program (each step bucket, and the small ones around it) instead of
+    compiling it, so that it compiles nothing."""
     import jax
 
     if directory:
         jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from types import FrameType
@@ -22,7 +23,6 @@ from typing import Any
 
 import jax
 import uvicorn
-from tqdm import tqdm
 
 from engine.errors import XlaserveError
 from engine.tokenizer import Tokenizer
@@ -133,17 +133,18 @@ def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
 
 
 def _load(args: argparse.Namespace, *, warm_up: bool) -> tuple[Any, Tokenizer]:
+    from engine import compilation
     from engine.config import CacheConfig, SchedulerConfig
     from engine.tokenizer import load_tokenizer
     from engine.weights import open_checkpoint, resolve_model
-    from serving.cli import _enable_compilation_cache
+    from serving.cli import enable_compilation_cache
 
-    _enable_compilation_cache(args.compilation_cache_dir)
-    with tqdm(total=2, desc="loading model", unit="part") as bar:
-        checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
-        tokenizer = load_tokenizer(checkpoint.files.path)
-        bar.update()
-        bar.update()
+    enable_compilation_cache(args.compilation_cache_dir)
+    start = time.perf_counter()
+    checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
+    tokenizer = load_tokenizer(checkpoint.files.path)
+    opened = time.perf_counter()
+    log.info("start-up: opened %s and its tokenizer in %.1f s", args.model, opened - start)
     max_model_len = args.max_model_len or min(checkpoint.cfg.max_position_embeddings, 4096)
     try:
         scheduler_config = SchedulerConfig(
@@ -152,7 +153,9 @@ def _load(args: argparse.Namespace, *, warm_up: bool) -> tuple[Any, Tokenizer]:
             max_model_len=max_model_len,
         )
         cache_config = CacheConfig(
-            memory_bytes=args.kv_cache_memory, memory_fraction=args.gpu_memory_utilization
+            memory_bytes=args.kv_cache_memory,
+            memory_fraction=args.gpu_memory_utilization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except ValueError as e:
         raise XlaserveError(str(e)) from e
@@ -164,6 +167,14 @@ def _load(args: argparse.Namespace, *, warm_up: bool) -> tuple[Any, Tokenizer]:
         scheduler_config=scheduler_config,
         warm_up=warm_up,
     )
+    log.info(
+        "start-up: weights loaded and %d step buckets ready in %.1f s (%d XLA compilations so "
+        "far; a warm compilation cache makes that 0); %.1f s in all",
+        engine.runner.num_compiled if hasattr(engine, "runner") else 0,
+        time.perf_counter() - opened,
+        compilation.count(),
+        time.perf_counter() - start,
+    )
     return engine, tokenizer
 
 
@@ -173,13 +184,15 @@ def _build_engine(
     """An LLMEngine over the (pp, tp) mesh, or --data-parallel-size replicas of one."""
 
     from engine.llm_engine import LLMEngine
+    from serving.cli import quantization_config
     from sharding.data_parallel import DataParallelEngine
     from sharding.mesh import make_mesh, replica_meshes
     from sharding.rules import ShardingPlan
 
     dp, tp, pp = args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size
     if dp * tp * pp == 1 and jax.process_count() == 1:
-        return LLMEngine(checkpoint.cfg, checkpoint.load_params(), tokenizer, **kwargs)
+        params = checkpoint.load_params(quantization=quantization_config(args), progress=True)
+        return LLMEngine(checkpoint.cfg, params, tokenizer, **kwargs)
     devices = jax.devices()[: dp * tp * pp] if jax.process_count() == 1 else None
     meshes = replica_meshes(make_mesh(dp=dp, tp=tp, pp=pp, devices=devices))
     if dp > 1:
@@ -187,7 +200,8 @@ def _build_engine(
             raise XlaserveError("data parallelism across processes: run one server per replica")
         params = [checkpoint.load_params(ShardingPlan.create(m, checkpoint.cfg)) for m in meshes]
         return DataParallelEngine(checkpoint.cfg, params, tokenizer, meshes=meshes, **kwargs)
-    params = checkpoint.load_params(ShardingPlan.create(meshes[0], checkpoint.cfg))
+    plan = ShardingPlan.create(meshes[0], checkpoint.cfg)
+    params = checkpoint.load_params(plan, quantization_config(args))
     engine = LLMEngine(checkpoint.cfg, params, tokenizer, mesh=meshes[0], **kwargs)
     return engine
 

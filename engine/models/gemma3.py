@@ -21,6 +21,7 @@ from engine.errors import UnsupportedModelError
 from engine.models import layers, llama
 from engine.models.layers import AttentionFn, Params
 from engine.models.llama import TensorSpec
+from engine.models.quant import take_rows
 
 DEFAULT_GLOBAL_THETA = 1_000_000.0
 DEFAULT_LOCAL_THETA = 10_000.0
@@ -70,9 +71,9 @@ def forward(
             x = x + norm(layers.gated_mlp(h, p, _gelu_tanh), p["post_mlp_norm"])
         return x, cache
 
-    embed = params["embed"]
+    x = take_rows(params["embed"], token_ids)
     # As transformers does: the scale is rounded to the embedding's dtype first.
-    x = embed[token_ids] * jnp.asarray(cfg.hidden_size**0.5, embed.dtype)
+    x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     x, caches = layers.run_layers(layer, x, params["layers"], caches, variants=_sliding_layers(cfg))
     return norm(x, params["final_norm"]), caches
 

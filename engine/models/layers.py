@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import RopeScaling
+from engine.models.quant import QuantizedWeight, materialize
 
 Params = dict[str, Any]
 
@@ -74,6 +75,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
+Weight = jax.Array | QuantizedWeight  # a float weight, or one dequantized where it is used
+
 # XLA:CPU hands a bf16 product to its fast matmul kernels (~3x the f32 rate on this AMX machine)
 # only when the result is f32 and there are a few rows; a 1-row bf16 product took a slow loop
 # (~15x f32's time at SmolLM2's output layer, measured), so fewer rows are padded up to this.
@@ -85,31 +88,35 @@ def _padded_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.pad(x, ((0, pad), (0, 0))) if pad > 0 else x
 
 
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+def dense(x: jax.Array, w: Weight) -> jax.Array:
     """f[T, In] @ f[In, Out] -> f[T, Out] in x's dtype, accumulated in float32.
 
     A float32 accumulator is what bf16 weights need for accuracy, and on CPU also for speed;
-    for float32 weights this is a plain matmul.
+    for float32 weights this is a plain matmul. A quantized weight is dequantized here.
     """
+    w = materialize(w)
     out = jnp.dot(_padded_rows(x, w).astype(w.dtype), w, preferred_element_type=jnp.float32)
     return out[: x.shape[0]].astype(x.dtype)
 
 
-def unembed(x: jax.Array, table: jax.Array) -> jax.Array:
+def unembed(x: jax.Array, table: Weight) -> jax.Array:
     """f[T, D] against an embedding table f[V, D] -> f32[T, V] logits."""
+    table = materialize(table)
     x32 = _padded_rows(x, table).astype(table.dtype)
     return jnp.einsum("TD,VD->TV", x32, table, preferred_element_type=jnp.float32)[: x.shape[0]]
 
 
-def project_to_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+def project_to_heads(x: jax.Array, w: Weight) -> jax.Array:
     """f[T, D] @ f[D, N, H] -> f[T, N, H], as one 2-D matmul: XLA:CPU runs the equivalent
     3-D einsum ~1.7x slower at decode shapes (measured), and the reshapes are free."""
+    w = materialize(w)
     d, n, h = w.shape
     return dense(x, w.reshape(d, n * h)).reshape(x.shape[0], n, h)
 
 
-def project_from_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+def project_from_heads(x: jax.Array, w: Weight) -> jax.Array:
     """f[T, N, H] @ f[N, H, D] -> f[T, D], as one 2-D matmul (see `project_to_heads`)."""
+    w = materialize(w)
     n, h, d = w.shape
     return dense(x.reshape(x.shape[0], n * h), w.reshape(n * h, d))
 

@@ -17,6 +17,7 @@ from engine.config import ModelConfig, RopeScaling
 from engine.errors import UnsupportedModelError
 from engine.models import layers
 from engine.models.layers import AttentionFn, Params
+from engine.models.quant import take_rows
 
 
 def forward(
@@ -40,7 +41,7 @@ def forward(
 
 def embed(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """i32[T] -> f[T, D]."""
-    return params["embed"][token_ids]
+    return take_rows(params["embed"], token_ids)
 
 
 def decoder(
@@ -203,7 +204,8 @@ def hf_tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     )
 
     def heads_in(num: int) -> Callable[[np.ndarray], np.ndarray]:
-        return lambda w: w.T.reshape(d, num, h)  # [num*h, d] -> [d, num, h]
+        # [num*h, d] -> [d, num, h]; -1, not d: the same layout change applies to group scales
+        return lambda w: w.T.reshape(-1, num, h)
 
     specs = {
         "model.embed_tokens.weight": TensorSpec(("embed",), (cfg.vocab_size, d), _keep),
@@ -219,7 +221,7 @@ def hf_tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
             "self_attn.q_proj.weight": ("wq", (n * h, d), heads_in(n)),
             "self_attn.k_proj.weight": ("wk", (k * h, d), heads_in(k)),
             "self_attn.v_proj.weight": ("wv", (k * h, d), heads_in(k)),
-            "self_attn.o_proj.weight": ("wo", (d, n * h), lambda w: w.T.reshape(n, h, d)),
+            "self_attn.o_proj.weight": ("wo", (d, n * h), lambda w: w.T.reshape(n, -1, d)),
             "mlp.gate_proj.weight": ("w_gate", (f, d), np.transpose),
             "mlp.up_proj.weight": ("w_up", (f, d), np.transpose),
             "mlp.down_proj.weight": ("w_down", (d, f), np.transpose),

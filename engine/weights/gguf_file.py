@@ -1,4 +1,5 @@
-"""GGUF files: metadata, and tensors dequantized to float through the `gguf` package."""
+"""GGUF files: metadata, and tensors dequantized to float through the `gguf` package, or taken
+as their quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K) without a float copy."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.weights.quantize import HostQuantized
 
 SUPPORTED_TYPES = frozenset(
     {
@@ -25,6 +27,21 @@ SUPPORTED_TYPES = frozenset(
         GGMLQuantizationType.Q6_K,
     }
 )
+
+# Block types taken as they are for a quantized load of that many bits: the file's integers and
+# scales become the device's. Q8_0 is kept at 8 bits under int4 too, as the file chose it (Q4
+# files keep the embedding at Q8_0).
+DIRECT_TYPES = {
+    8: frozenset({GGMLQuantizationType.Q8_0}),
+    4: frozenset(
+        {
+            GGMLQuantizationType.Q8_0,
+            GGMLQuantizationType.Q4_0,
+            GGMLQuantizationType.Q4_1,
+            GGMLQuantizationType.Q4_K,
+        }
+    ),
+}
 
 # GGUF tensor names -> Hugging Face names, for the Llama family.
 _GLOBAL_NAMES = {
@@ -134,6 +151,23 @@ class GGUFSource:
             array = dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name))
         except (ValueError, IndexError) as e:
             raise ModelLoadError(f"{self._path}: tensor {tensor.name} is corrupt ({e})") from e
+        return self._unpermute(name, array)
+
+    def get_blocks(self, name: str, bits: int) -> HostQuantized | None:
+        """The tensor's own quantized blocks ([out, in] like `get`, groups of 32 along in), if
+        its type is one taken directly at `bits` (DIRECT_TYPES); else None."""
+        tensor = self._tensors[name]
+        if tensor.tensor_type not in DIRECT_TYPES[bits]:
+            return None
+        rows, cols = self.shape(name)
+        try:
+            data = np.asarray(tensor.data, np.uint8).reshape(rows, -1)
+            q = decode_blocks(data, tensor.tensor_type, cols)
+        except ValueError as e:
+            raise ModelLoadError(f"{self._path}: tensor {tensor.name} is corrupt ({e})") from e
+        return q.convert(lambda x: self._unpermute(name, x))
+
+    def _unpermute(self, name: str, array: np.ndarray) -> np.ndarray:
         for proj, heads in self._heads.items():
             if f".{proj}." in name:
                 array = _unpermute_rows(array, heads)
@@ -146,3 +180,48 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: per head, rows (pair, half) -> (half, pair)."""
     rows_per_half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, rows_per_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---- quantized blocks -> integers and per-32 scales (ggml's layouts) ------------------------
+
+
+def decode_blocks(data: np.ndarray, qtype: GGMLQuantizationType, cols: int) -> HostQuantized:
+    """u8[rows, bytes per row] of Q8_0/Q4_0/Q4_1/Q4_K blocks -> integers [rows, cols] and f32
+    scales (and offsets) [rows, cols / 32], so that w = q * scale + offset is what ggml's
+    dequantization computes, bit for bit (every product involved is exact in float32)."""
+    rows = data.shape[0]
+    if qtype == GGMLQuantizationType.Q4_K:
+        return _decode_q4_k(data.reshape(rows, cols // 256, 144), rows, cols)
+    size = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18}.get(qtype, 20)
+    blocks = data.reshape(rows, cols // 32, size)
+    d = _f16(blocks[..., 0:2])  # f32[rows, cols/32]
+    if qtype == GGMLQuantizationType.Q8_0:
+        return HostQuantized(blocks[..., 2:].view(np.int8).reshape(rows, cols), d, None, 8)
+    if qtype == GGMLQuantizationType.Q4_0:  # w = d * (q - 8)
+        return HostQuantized(_nibbles(blocks[..., 2:], rows, cols), d, -8 * d, 4)
+    return HostQuantized(_nibbles(blocks[..., 4:], rows, cols), d, _f16(blocks[..., 2:4]), 4)
+
+
+def _f16(two_bytes: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(two_bytes).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Q4_0/Q4_1 bytes [rows, blocks, 16]: byte j holds element j (low) and j + 16 (high)."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, cols)
+
+
+def _decode_q4_k(blocks: np.ndarray, rows: int, cols: int) -> HostQuantized:
+    """Q4_K super-blocks of 256 (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+    nibbles): eight groups of 32 with w = d * sc * q - dmin * m."""
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # f32[rows, supers]
+    packed = blocks[..., 4:16].reshape(*blocks.shape[:2], 3, 4)
+    lo, hi, mixed = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = np.concatenate([lo & 0x3F, (mixed & 0xF) | ((lo >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scales = (d[..., None] * sc.astype(np.float32)).reshape(rows, cols // 32)
+    offsets = -(dmin[..., None] * mins.astype(np.float32)).reshape(rows, cols // 32)
+    # 4 chunks of 32 bytes: low nibbles are group 2j, high nibbles group 2j + 1.
+    qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)
+    values = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(rows, cols)
+    return HostQuantized(values, scales, offsets, 4)

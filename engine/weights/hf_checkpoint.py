@@ -59,6 +59,10 @@ class SafetensorsSource:
         ):
             return np.asarray(f.get_tensor(name))
 
+    def get_blocks(self, name: str, bits: int) -> None:
+        """Safetensors hold float tensors: nothing to take as quantized blocks."""
+        return None
+
 
 def _open(file: Path) -> Any:
     try:

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_cache_update.layout import KVPages, split_pages
 from pallas_kernels.ragged_paged_attention.reference import (
     check_inputs,
     ragged_paged_attention_reference,
@@ -75,7 +76,7 @@ def load_impl(impl: str) -> tuple[Callable[..., jax.Array], Callable[..., None]]
 
 def ragged_paged_attention(
     q: jax.Array,
-    kv_pages: jax.Array,
+    kv_pages: KVPages,
     kv_lens: jax.Array,
     page_table: jax.Array,
     cu_q_lens: jax.Array,
@@ -91,7 +92,8 @@ def ragged_paged_attention(
     Args:
       q: f32|bf16[T, Hq, D] queries of all sequences packed back to back, then padding rows.
       kv_pages: [num_pages, page_size, 2*Hkv, Dp] one layer's cache in q's dtype, Dp >= D
-        (`pallas_kernels.kv_cache_update.KVCacheSpec`); q is zero-padded to Dp here.
+        (`pallas_kernels.kv_cache_update.KVCacheSpec`); q is zero-padded to Dp here. Or a
+        `QuantizedKVPages` (int8/fp8 values and f32 scales per token slot and combined head).
       kv_lens: i32[S] context length of each sequence, including its new tokens.
       page_table: i32[S, P] page ids of each sequence's context, in order.
       cu_q_lens: i32[S+1] sequence s owns query rows cu_q_lens[s]:cu_q_lens[s+1].
@@ -109,6 +111,7 @@ def ragged_paged_attention(
         head-count combination the chosen implementation does not support.
     """
     impl = resolve_impl(impl, platform_of(q))
+    kv_pages, kv_scales = split_pages(kv_pages)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"{sliding_window=} must be positive or None")
     if logit_soft_cap is not None and logit_soft_cap <= 0:
@@ -119,7 +122,7 @@ def ragged_paged_attention(
     q_padded = (
         jnp.pad(q, ((0, 0), (0, 0), (0, cache_dim - head_dim))) if cache_dim > head_dim else q
     )
-    check_inputs(q_padded, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    check_inputs(q_padded, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, kv_scales)
     attention, check_supported = load_impl(impl)
     check_supported(q.dtype, cache_dim, kv_pages.shape[1], q.shape[1], kv_pages.shape[2] // 2)
     out = attention(
@@ -132,6 +135,7 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap,
+        kv_scales=kv_scales,
     )
     return out[..., :head_dim]
 

@@ -38,6 +38,9 @@ Design
   contiguous ranges; each program writes its normalized partial output and log-sum-exp in f32
   and `_merge_splits` combines them. It gives a batch of few long decodes more programs than
   `num_seqs * Hkv`; with one split the kernel writes the output directly.
+- Quantized cache (int8 / float8_e4m3fn values, f32 scales per token slot and combined head):
+  each K/V tile is loaded as bytes with its keys' scales (one more masked load of `block_kv`
+  floats) and widened to q's dtype before the dots.
 - Nothing outside a sequence reaches a real row: loads past kv_len or past the sequence's query
   rows are masked (the GPU never touches that memory) with a zero fill, and scores outside the
   causal/window mask are replaced with `where`, so NaN in unused pages, padding rows or page
@@ -126,10 +129,11 @@ def _check_inputs(
     page_table: jax.Array,  # i32[S, P]
     cu_q_lens: jax.Array,  # i32[S+1]
     num_seqs: jax.Array,  # i32[]
+    kv_scales: jax.Array | None,  # f32[num_pages, page_size, 2*Hkv] of a quantized cache
 ) -> None:
     """Static (trace-time) checks of the arrays: the contract's shapes (shared with the
     reference), then what this kernel adds (int32 metadata, supported sizes)."""
-    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, kv_scales)
     check_supported(q.dtype, q.shape[-1], kv_pages.shape[1], q.shape[1], kv_pages.shape[2] // 2)
     metadata = {"kv_lens": kv_lens, "page_table": page_table, "cu_q_lens": cu_q_lens}
     for name, x in {**metadata, "num_seqs": num_seqs}.items():
@@ -188,8 +192,11 @@ def _attention_kernel(
     num_seqs_ref: jax.Ref,  # i32[1]
     q_ref: jax.Ref,  # [T, Hq, D]
     kv_pages_ref: jax.Ref,  # [num_pages, page_size, 2*Hkv, D]
-    o_ref: jax.Ref,  # [splits, T, Hq, D]: q.dtype if splits == 1, else f32 partial outputs
-    *lse_ref: jax.Ref,  # with splits > 1 only: f32[splits, T, Hq] log-sum-exp of each split
+    *refs: jax.Ref,
+    # refs: with a quantized cache first its scales f32[num_pages, page_size, 2*Hkv]; then
+    # o_ref [splits, T, Hq, D] (q.dtype if splits == 1, else f32 partial outputs) and, with
+    # splits > 1 only, lse_ref f32[splits, T, Hq], the log-sum-exp of each split.
+    quantized: bool,
     sm_scale: float,
     sliding_window: int | None,
     logit_soft_cap: float | None,
@@ -200,6 +207,8 @@ def _attention_kernel(
 ) -> None:
     """One program: `block_q` query tokens x all G query heads of one KV head, over the keys of
     its KV split (all keys the tile may see when num_kv_splits == 1)."""
+    scales_ref = refs[0] if quantized else None
+    o_ref, *lse_ref = refs[1:] if quantized else refs
     q_block, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size, head_dim = kv_pages_ref.shape[1], kv_pages_ref.shape[3]
     block_q = block_rows // group
@@ -241,8 +250,15 @@ def _attention_kernel(
             slot = lax.rem(key, page_size)  # i32[K]
             k_at = kv_pages_ref.at[page[:, None], slot[:, None], 2 * kv_head, lanes[None, :]]
             v_at = kv_pages_ref.at[page[:, None], slot[:, None], 2 * kv_head + 1, lanes[None, :]]
-            k = plgpu.load(k_at, mask=key_ok[:, None], other=0.0)  # [K, D]
-            v = plgpu.load(v_at, mask=key_ok[:, None], other=0.0)  # [K, D]
+            k = plgpu.load(k_at, mask=key_ok[:, None], other=0)  # [K, D]
+            v = plgpu.load(v_at, mask=key_ok[:, None], other=0)  # [K, D]
+            if scales_ref is not None:  # widen the bytes and scale each key's K and V
+                k_scale = plgpu.load(scales_ref.at[page, slot, 2 * kv_head], mask=key_ok, other=0)
+                v_scale = plgpu.load(
+                    scales_ref.at[page, slot, 2 * kv_head + 1], mask=key_ok, other=0
+                )
+                k = (k.astype(jnp.float32) * k_scale[:, None]).astype(q.dtype)
+                v = (v.astype(jnp.float32) * v_scale[:, None]).astype(q.dtype)
 
             scores = plgpu.dot(q, k, trans_b=True) * sm_scale  # f32[M, K]
             if logit_soft_cap is not None:
@@ -330,6 +346,7 @@ def ragged_paged_attention_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_kv_splits: int = 1,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:  # q.dtype[T, Hq, D]
     """Causal attention of ragged query rows over a paged KV cache, on a GPU (Pallas Triton).
 
@@ -358,6 +375,8 @@ def ragged_paged_attention_gpu(
       num_kv_splits: split each query tile's keys into this many contiguous ranges, one program
         each, merged after the kernel (split-KV "flash decoding"): more programs for a batch of
         few long decodes, at the cost of f32 partial outputs [splits, T, Hq, D] in memory.
+      kv_scales: f32[num_pages, page_size, 2*Hkv] when kv_pages holds int8 or float8_e4m3fn
+        values: K/V = values * scales[..., None].
 
     Returns:
       q.dtype[T, Hq, D]: softmax(q.k * sm_scale, causal + window masked) @ v per query head;
@@ -365,7 +384,7 @@ def ragged_paged_attention_gpu(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_slots = kv_pages.shape[2] // 2, kv_lens.shape[0]
-    _check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    _check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, kv_scales)
     group = num_q_heads // num_kv_heads
     sizes = _block_sizes(
         head_dim,
@@ -378,6 +397,7 @@ def ragged_paged_attention_gpu(
     _check_options(group, sliding_window, logit_soft_cap, sizes, num_kv_splits)
     kernel = functools.partial(
         _attention_kernel,
+        quantized=kv_scales is not None,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap,
@@ -400,7 +420,15 @@ def ragged_paged_attention_gpu(
         ),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(kv_lens, page_table, cu_q_lens, num_seqs.reshape(1), q, kv_pages)
+    )(
+        kv_lens,
+        page_table,
+        cu_q_lens,
+        num_seqs.reshape(1),
+        q,
+        kv_pages,
+        *(() if kv_scales is None else (kv_scales,)),
+    )
     if splits == 1:
         return outs[0][0]
     return _merge_splits(*outs).astype(q.dtype)

@@ -26,6 +26,9 @@ On CPU prefer a float32 cache. XLA:CPU cannot gather bf16, so the reference gath
 bits as uint16; XLA still materialises that uint16 view once per call (one read and write of the
 page pool, ~2x cheaper than the f32 copy a plain bf16 gather costs, but proportional to the pool,
 not to the keys read). bf16 is fully supported; on TPU and GPU the kernels read bf16 natively.
+
+A quantized cache (int8 or float8_e4m3fn values, `kv_scales` f32[num_pages, page_size, 2*Hkv])
+is gathered as bytes with its scales and widened to f32 right after the gather.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 # Block sizes measured on the 2-core CPU (bench/kernels.py); KV blocks round down to whole pages.
 DEFAULT_Q_BLOCK = 128  # query rows per block of a multi-token sequence
@@ -76,6 +80,7 @@ def check_inputs(
     page_table: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
+    kv_scales: jax.Array | None = None,
 ) -> None:
     """Static (trace-time) checks of the contract's shapes and dtypes, shared by all backends."""
     if q.ndim != 3:
@@ -84,7 +89,12 @@ def check_inputs(
         raise ValueError(
             f"{kv_pages.shape=} must be [num_pages, page_size, 2*Hkv, D] with D = {q.shape[2]}"
         )
-    if kv_pages.dtype != q.dtype:
+    if kv_scales is not None:
+        if kv_pages.dtype not in QUANTIZED_KV_DTYPES:
+            raise ValueError(f"{kv_pages.dtype=} with kv_scales must be int8 or float8_e4m3fn")
+        if kv_scales.shape != kv_pages.shape[:3] or kv_scales.dtype != jnp.float32:
+            raise ValueError(f"{kv_scales.shape=} must be f32{kv_pages.shape[:3]}")
+    elif kv_pages.dtype != q.dtype:
         raise ValueError(f"{kv_pages.dtype=} must equal {q.dtype=}")
     if q.shape[1] % (kv_pages.shape[2] // 2):
         raise ValueError(
@@ -148,6 +158,7 @@ def _gather_block(
     kv_pages: jax.Array,  # dtype[num_pages, page_size, 2*Hkv, D]
     pages: jax.Array,  # i32[..., B] page ids of one KV block, any values
     valid: jax.Array,  # bool[..., B * page_size] key < kv_len
+    kv_scales: jax.Array | None,  # f32[num_pages, page_size, 2*Hkv] of a quantized cache
 ) -> tuple[jax.Array, jax.Array]:
     """K and V of whole pages as f32[..., Hkv, K, D] each: heads-major, so both attention einsums
     are plain batched matmuls with the batch dims leading.
@@ -159,6 +170,8 @@ def _gather_block(
     the caller masks with `where`.
     """
     num_pages, _, combined, head_dim = kv_pages.shape
+    if kv_scales is not None:
+        return _gather_quantized(kv_pages, kv_scales, jnp.clip(pages, 0, num_pages - 1), valid)
     if head_dim < HEAD_MAJOR_MIN_DIM and kv_pages.dtype == jnp.float32:
         block = _bits_to_f32(_as_bits(kv_pages)[jnp.clip(pages, 0, num_pages - 1)])
         block = block.reshape(*valid.shape, combined // 2, 2, head_dim)  # f32[..., K, Hkv, 2, D]
@@ -170,6 +183,22 @@ def _gather_block(
     shape = (*valid.shape[:-1], combined // 2, valid.shape[-1], head_dim)
     k = _bits_to_f32(bits[page, :, head]).reshape(shape)  # f32[..., Hkv, K, D]
     v = _bits_to_f32(bits[page, :, head + 1]).reshape(shape)
+    return k, jnp.where(valid[..., None, :, None], v, 0.0)
+
+
+def _gather_quantized(
+    kv_pages: jax.Array,  # i8|f8[num_pages, page_size, 2*Hkv, D]
+    kv_scales: jax.Array,  # f32[num_pages, page_size, 2*Hkv]
+    pages: jax.Array,  # i32[..., B], in range
+    valid: jax.Array,  # bool[..., K]
+) -> tuple[jax.Array, jax.Array]:
+    """Whole pages as bytes (XLA:CPU gathers no float8) and their scales, widened to f32."""
+    combined, head_dim = kv_pages.shape[2:]
+    raw = lax.bitcast_convert_type(kv_pages, jnp.uint8)[pages]  # u8[..., B, page_size, 2Hkv, D]
+    values = lax.bitcast_convert_type(raw, kv_pages.dtype).astype(jnp.float32)
+    block = values * kv_scales[pages][..., None]
+    block = block.reshape(*valid.shape, combined // 2, 2, head_dim)  # f32[..., K, Hkv, 2, D]
+    k, v = jnp.moveaxis(block[..., 0, :], -2, -3), jnp.moveaxis(block[..., 1, :], -2, -3)
     return k, jnp.where(valid[..., None, :, None], v, 0.0)
 
 
@@ -209,6 +238,7 @@ def _decode_rows(
     sliding_window: int | None,
     logit_soft_cap: float | None,
     block_pages: int,
+    kv_scales: jax.Array | None,
 ) -> jax.Array:
     """Attention for every sequence with exactly one query, all sequences at once."""
     tokens, num_q_heads, head_dim = q.shape
@@ -232,7 +262,7 @@ def _decode_rows(
             key = b * block + jnp.arange(block)  # i32[K]
             valid = key[None, :] < lens[:, None]  # bool[S, K]
             allowed = valid & (key[None, :] >= first[:, None])
-            k, v = _gather_block(kv_pages, pages, allowed)  # f32[S, Hkv, K, D]
+            k, v = _gather_block(kv_pages, pages, allowed, kv_scales)  # f32[S, Hkv, K, D]
             scores = _cap(jnp.einsum("shgd,shkd->shgk", qd, k), logit_soft_cap)
             return _softmax_step(carry, scores, allowed[:, None, None, :], v, "shgk,shkd->shgd")
 
@@ -257,6 +287,7 @@ def _prefill_rows(
     logit_soft_cap: float | None,
     q_block: int,
     block_pages: int,
+    kv_scales: jax.Array | None,
 ) -> jax.Array:
     """Attention for every sequence with more than one query, one query block at a time.
 
@@ -297,7 +328,7 @@ def _prefill_rows(
                 allowed = valid[None, :] & (key[None, :] <= pos[:, None])  # bool[BQ, K]
                 if sliding_window is not None:
                     allowed &= pos[:, None] - key[None, :] < sliding_window
-                k, v = _gather_block(kv_pages, pages, valid)  # f32[Hkv, K, D]
+                k, v = _gather_block(kv_pages, pages, valid, kv_scales)  # f32[Hkv, K, D]
                 scores = _cap(jnp.einsum("hgqd,hkd->hgqk", qb, k), logit_soft_cap)
                 return _softmax_step(carry, scores, allowed, v, "hgqk,hkd->hgqd")
 
@@ -326,6 +357,7 @@ def _ragged_paged_attention(
     q_block: int,
     kv_block: int | None,
     decode_kv_block: int | None,
+    kv_scales: jax.Array | None,
 ) -> jax.Array:
     page_size = kv_pages.shape[1]
     if kv_block is None:
@@ -349,6 +381,7 @@ def _ragged_paged_attention(
             sliding_window=sliding_window,
             logit_soft_cap=logit_soft_cap,
             block_pages=decode_pages,
+            kv_scales=kv_scales,
         )
     with jax.named_scope("prefill"):
         out = _prefill_rows(
@@ -359,6 +392,7 @@ def _ragged_paged_attention(
             logit_soft_cap=logit_soft_cap,
             q_block=min(q_block, q.shape[0]),
             block_pages=prefill_pages,
+            kv_scales=kv_scales,
         )
     return out.astype(q.dtype)
 
@@ -388,6 +422,7 @@ def ragged_paged_attention_reference(
     q_block: int = DEFAULT_Q_BLOCK,
     kv_block: int | None = None,
     decode_kv_block: int | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention in pure jnp (any mix of prefill, chunked prefill and decode).
 
@@ -408,11 +443,13 @@ def ragged_paged_attention_reference(
         None: as many as keep the f32 score tile near SCORE_BLOCK_BYTES.
       decode_kv_block: tokens per KV block for one-token sequences (whole pages, at least one);
         None: as many as keep the gathered f32 K/V of all S sequences near DECODE_BLOCK_BYTES.
+      kv_scales: f32[num_pages, page_size, 2*Hkv] when kv_pages holds int8 or float8_e4m3fn
+        values: K/V = kv_pages * kv_scales[..., None] (`pallas_kernels.kv_cache_update`).
 
     Returns:
       [T, Hq, D] in q's dtype; rows >= cu_q_lens[num_seqs] are unspecified.
     """
-    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, kv_scales)
     check_supported(q.dtype, q.shape[2], kv_pages.shape[1], q.shape[1], kv_pages.shape[2] // 2)
     return _ragged_paged_attention(
         q,
@@ -427,6 +464,7 @@ def ragged_paged_attention_reference(
         q_block=q_block,
         kv_block=kv_block,
         decode_kv_block=decode_kv_block,
+        kv_scales=kv_scales,
     )
 
 

@@ -40,6 +40,12 @@ Block sizes. bq (query tokens per block) and pb (pages per KV block) come from
 unlisted chips get its default), shrunk if needed so the query side and the KV double buffer each
 fit a VMEM budget, and capped by T and P. Callers may pass both explicitly.
 
+Quantized cache (int8 / float8_e4m3fn values with f32 scales per token slot and combined head):
+each page's scales [page_size, 2*Hkv] follow its values by a second DMA into a scale double
+buffer; K and V are widened to f32 and scaled per key right after they are read out of the
+slot, and both matmuls then run in f32. Such a cache needs page_size a multiple of 32 (four
+one-byte values per 32-bit sublane word).
+
 Known costs: a decode sequence still runs a whole bq*G-row block (its other rows are masked
 out), and the sequential grid uses one TensorCore of a megacore chip.
 """
@@ -112,8 +118,13 @@ def _check_inputs(
     num_seqs: jax.Array,
     sliding_window: int | None,
     logit_soft_cap: float | None,
+    kv_scales: jax.Array | None = None,
 ) -> None:
-    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, kv_scales)
+    if kv_scales is not None and kv_pages.shape[1] % (_SUBLANES * 4):
+        raise ValueError(
+            f"tpu: a quantized cache needs page_size a multiple of 32, {kv_pages.shape=}"
+        )
     # Scalar prefetch puts these in SMEM as 32-bit words.
     for name, x in (("kv_lens", kv_lens), ("page_table", page_table), ("cu_q_lens", cu_q_lens)):
         if x.dtype != jnp.int32:
@@ -192,23 +203,29 @@ def _ragged_paged_attention_kernel(
     # Inputs.
     q_ref: jax.Array,  # [Hkv, bq*G, D] VMEM block of the regrouped queries
     kv_hbm_ref: jax.Array,  # [num_pages, page_size, 2*Hkv, D] in HBM
-    # Output.
-    o_ref: jax.Array,  # [Hkv, bq*G, D]
-    # Scratch.
-    kv_buf: jax.Array,  # [2, pb*page_size, 2*Hkv, D] VMEM double buffer
-    sems: jax.Array,  # DMA semaphores [2], one per slot
-    slot_ref: jax.Array,  # SMEM i32[1]: slot holding the next block to compute
-    # Row statistics fill whole 128-lane tiles (a [rows, 1] scratch is lane-padded anyway).
-    m_ref: jax.Array,  # f32[Hkv, bq*G, 128] running max, replicated over lanes
-    l_ref: jax.Array,  # f32[Hkv, bq*G, 128] running sum, replicated over lanes
-    acc_ref: jax.Array,  # f32[Hkv, bq*G, D] running numerator
-    *,
+    # Quantized cache only: scales_hbm_ref f32[num_pages, page_size, 2*Hkv] (input), and after
+    # the scratch below, scale_buf f32[2, pb*page_size, 2*Hkv] and scale_sems DMA[2].
+    *refs: jax.Array,
+    # Output: o_ref [Hkv, bq*G, D].
+    # Scratch: kv_buf [2, pb*page_size, 2*Hkv, D] VMEM double buffer; sems, DMA semaphores [2],
+    # one per slot; slot_ref SMEM i32[1], the slot holding the next block to compute; row
+    # statistics m_ref and l_ref f32[Hkv, bq*G, 128] (running max and sum, replicated over
+    # lanes: a [rows, 1] scratch is lane-padded anyway); acc_ref f32[Hkv, bq*G, D] numerator.
     sm_scale: float,
     sliding_window: int | None,
     logit_soft_cap: float | None,
     queries_per_block: int,
     heads_per_kv: int,
+    quantized: bool,
 ) -> None:
+    scales_hbm_ref: Any = None
+    scale_buf: Any = None
+    scale_sems: Any = None
+    if quantized:
+        scales_hbm_ref, *refs_list = refs
+        o_ref, kv_buf, sems, slot_ref, m_ref, l_ref, acc_ref, scale_buf, scale_sems = refs_list
+    else:
+        o_ref, kv_buf, sems, slot_ref, m_ref, l_ref, acc_ref = refs
     num_kv_heads, rows, _ = q_ref.shape
     page_size = kv_hbm_ref.shape[1]
     kv_block_len = kv_buf.shape[1]
@@ -244,10 +261,20 @@ def _ragged_paged_attention_kernel(
             kv_buf.at[slot, pl.ds(p * page_size, page_size)],
             sems.at[slot],
         )
-        if op == "start":
-            copy.start()
-        else:
-            copy.wait()
+        copies = [copy]
+        if quantized:
+            copies.append(
+                pltpu.make_async_copy(
+                    scales_hbm_ref.at[page_table_ref[seq, page]],  # f32[page_size, 2*Hkv]
+                    scale_buf.at[slot, pl.ds(p * page_size, page_size)],
+                    scale_sems.at[slot],
+                )
+            )
+        for c in copies:
+            if op == "start":
+                c.start()
+            else:
+                c.wait()
 
     def for_each_page_copy(item: _Item, kv_block: jax.Array, slot: jax.Array, op: str) -> None:
         """Starts or waits the copies of the pages of kv_block that overlap [kv_lo, kv_hi]."""
@@ -269,8 +296,14 @@ def _ragged_paged_attention_kernel(
             # Plain indexing, not a reshaped or bitcast view of the slot: the TPU interpreter
             # (our CPU check) only models indexed refs.
             k = kv_buf[slot, :, 2 * h, :]  # [pb*page_size, D]
-            v = jnp.where(fetched, kv_buf[slot, :, 2 * h + 1, :], 0)  # stale slots may be NaN
-            s = jnp.einsum("rd,nd->rn", q_ref[h], k, preferred_element_type=jnp.float32)
+            v = kv_buf[slot, :, 2 * h + 1, :]
+            q = q_ref[h]
+            if quantized:  # widen, and scale each key's K and V (f32[pb*page_size, 1])
+                k = k.astype(jnp.float32) * scale_buf[slot, :, pl.ds(2 * h, 1)]
+                v = v.astype(jnp.float32) * scale_buf[slot, :, pl.ds(2 * h + 1, 1)]
+                q = q.astype(jnp.float32)
+            v = jnp.where(fetched, v, 0)  # stale slots may be NaN
+            s = jnp.einsum("rd,nd->rn", q, k, preferred_element_type=jnp.float32)
             s = s * sm_scale  # f32[bq*G, pb*page_size]
             if logit_soft_cap is not None:
                 s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
@@ -383,6 +416,7 @@ def _attention_call(
     kernel_kwargs: dict[str, Any],
     interpret: bool | pltpu.InterpretParams,
     vmem_limit_bytes: int | None,
+    quantized: bool,
 ) -> Callable[..., jax.Array]:
     """The pallas_call: grid over work items, q/out blocks chosen by each item's query block."""
     num_kv_heads, _, head_dim = q_grouped.shape
@@ -395,26 +429,33 @@ def _attention_call(
 
     q_spec = pl.BlockSpec((num_kv_heads, bq * group, head_dim), q_index_map)
     row_stats = pltpu.VMEM((num_kv_heads, bq * group, _LANES), jnp.float32)
+    in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY)]
+    scratch_shapes = [
+        pltpu.VMEM((2, pb * page_size, num_combined_heads, head_dim), kv_pages.dtype),
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SMEM((1,), jnp.int32),
+        row_stats,  # m
+        row_stats,  # l
+        pltpu.VMEM((num_kv_heads, bq * group, head_dim), jnp.float32),
+    ]
+    if quantized:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        scratch_shapes.append(pltpu.VMEM((2, pb * page_size, num_combined_heads), jnp.float32))
+        scratch_shapes.append(pltpu.SemaphoreType.DMA((2,)))
     return pl.pallas_call(
         functools.partial(
             _ragged_paged_attention_kernel,
             queries_per_block=bq,
             heads_per_kv=group,
+            quantized=quantized,
             **kernel_kwargs,
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_items,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=in_specs,
             out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, pb * page_size, num_combined_heads, head_dim), kv_pages.dtype),
-                pltpu.SemaphoreType.DMA((2,)),
-                pltpu.SMEM((1,), jnp.int32),
-                row_stats,  # m
-                row_stats,  # l
-                pltpu.VMEM((num_kv_heads, bq * group, head_dim), jnp.float32),
-            ],
+            scratch_shapes=scratch_shapes,
         ),
         out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q_grouped.dtype),
         compiler_params=pltpu.CompilerParams(
@@ -454,6 +495,7 @@ def ragged_paged_attention_tpu(
     num_queries_per_block: int | None = None,
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of ragged queries over a paged KV cache on TPU; prefill, chunked prefill, decode.
 
@@ -474,6 +516,8 @@ def ragged_paged_attention_tpu(
       num_queries_per_block: query tokens per query block; default from `tuned_block_sizes`.
       num_kv_pages_per_block: pages per KV block; default from `tuned_block_sizes`.
       vmem_limit_bytes: Mosaic's scoped VMEM limit; None keeps the compiler's default.
+      kv_scales: f32[num_pages, page_size, 2*Hkv] when kv_pages holds int8 or float8_e4m3fn
+        values (K/V = values * scales[..., None]); page_size must then be a multiple of 32.
 
     Returns:
       [T, Hq, D] in q's dtype; rows >= cu_q_lens[num_seqs] are unspecified.
@@ -483,7 +527,15 @@ def ragged_paged_attention_tpu(
         not support (see `check_supported`).
     """
     _check_inputs(
-        q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, sliding_window, logit_soft_cap
+        q,
+        kv_pages,
+        kv_lens,
+        page_table,
+        cu_q_lens,
+        num_seqs,
+        sliding_window,
+        logit_soft_cap,
+        kv_scales,
     )
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = kv_pages.shape[2] // 2
@@ -512,6 +564,8 @@ def ragged_paged_attention_tpu(
         ),
         interpret=interpret,
         vmem_limit_bytes=vmem_limit_bytes,
+        quantized=kv_scales is not None,
     )
-    out = attention(kv_lens, page_table, cu_q_lens, *items, q_grouped, kv_pages)
+    scales = () if kv_scales is None else (kv_scales,)
+    out = attention(kv_lens, page_table, cu_q_lens, *items, q_grouped, kv_pages, *scales)
     return _ungroup_heads(out, num_q_heads)[:num_tokens]

@@ -1,0 +1,112 @@
+"""Weight-only quantization as a parameter leaf: int8 or packed int4 values with group scales.
+
+A `QuantizedWeight` stands where a float weight would in the params pytree and keeps that
+weight's layout (so sharding rules that name the float weight's axes apply to its values and
+scales alike); only `axis`, the contraction (input) axis, is cut into groups of consecutive
+elements, each with one float32 scale and, for asymmetric int4, one offset:
+
+    w[..., i, ...] = q[..., i, ...] * scale[..., i // group, ...] + offset[..., i // group, ...]
+
+int8 per output channel is one group spanning the whole axis; GGUF blocks are groups of 32.
+int4 values are unsigned nibbles 0..15, two per byte along `axis` (element 2j in the low
+nibble of byte j, element 2j+1 in the high one).
+
+The model code calls `materialize` on each weight right where it is used, inside the jitted
+step: device memory holds the quantized arrays, XLA dequantizes them on the fly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+BITS = (4, 8)
+# Contraction axis of each linear weight of the Llama family's params (see models/layers.py):
+# wq/wk/wv [D, N, H] and the MLP [D, F]/[F, D] contract their first axis; wo [N, H, D] groups
+# along H (within a head, so a TP shard of heads holds whole groups); the embedding [V, D]
+# contracts D when it is the output layer, and a token lookup reads whole rows.
+QUANTIZED_AXIS = {
+    "wq": 0,
+    "wk": 0,
+    "wv": 0,
+    "wo": 1,
+    "w_gate": 0,
+    "w_up": 0,
+    "w_down": 0,
+    "embed": 1,
+    "lm_head": 1,
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear weight held as integers and group scales; `dequantize` gives the float one."""
+
+    values: Any  # i8[shape] (bits 8) or u8[shape with `axis` halved] (bits 4, two per byte)
+    scales: Any  # f32[shape with `axis` divided by the group size]
+    offsets: Any  # f32 like scales (asymmetric), or None (symmetric)
+    bits: int = field(metadata=dict(static=True))
+    axis: int = field(metadata=dict(static=True))
+    dtype: str = field(metadata=dict(static=True))  # what `dequantize` returns
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {self.bits}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's shape."""
+        shape = list(self.values.shape)
+        shape[self.axis] *= 8 // self.bits
+        return tuple(shape)
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[self.axis] // self.scales.shape[self.axis]
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.values, self.scales, self.offsets)
+        return sum(int(x.size) * x.dtype.itemsize for x in parts if x is not None)
+
+
+def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
+    """u8[..., n/2, ...] -> u8[..., n, ...]: the low nibble of byte j is element 2j."""
+    both = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
+    shape = list(packed.shape)
+    shape[axis] *= 2
+    return both.reshape(shape)
+
+
+def dequantize(w: QuantizedWeight) -> jax.Array:
+    """The float weight, in `w.dtype` (computed in float32)."""
+    q = unpack_int4(w.values, w.axis) if w.bits == 4 else w.values
+    axis, groups = w.axis, w.scales.shape[w.axis]
+    grouped = (*q.shape[:axis], groups, q.shape[axis] // groups, *q.shape[axis + 1 :])
+    x = q.astype(jnp.float32).reshape(grouped) * jnp.expand_dims(w.scales, axis + 1)
+    if w.offsets is not None:
+        x = x + jnp.expand_dims(w.offsets, axis + 1)
+    return x.reshape(q.shape).astype(jnp.dtype(w.dtype))
+
+
+def materialize(w: jax.Array | QuantizedWeight) -> jax.Array:
+    """A float weight as is; a quantized one dequantized (inside whatever jit calls this)."""
+    return dequantize(w) if isinstance(w, QuantizedWeight) else w
+
+
+def take_rows(w: jax.Array | QuantizedWeight, ids: jax.Array) -> jax.Array:
+    """w[ids] of a [V, D] table, dequantizing only the rows taken (groups run along D)."""
+    if not isinstance(w, QuantizedWeight):
+        return w[ids]
+    if w.axis == 0:
+        raise ValueError("take_rows needs groups along the row (axis 1), not across rows")
+    return dequantize(jax.tree.map(lambda x: x[ids], w))
+
+
+def weight_bytes(params: Any) -> int:
+    """Bytes of every array in the params pytree (quantized values, scales and offsets)."""
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))

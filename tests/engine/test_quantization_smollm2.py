@@ -1,0 +1,123 @@
+"""Quantized weights (and KV cache) on the real SmolLM2-135M against its float32 model.
+
+The float32 model is the GGUF dequantized by gguf-py (the oracle of test_smollm2_gguf.py); the
+engine's greedy continuations of it are computed once per module.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine import naive
+from engine.config import CacheConfig, QuantizationConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine, run_to_completion
+from engine.models.quant import weight_bytes
+from engine.request import SamplingParams
+from engine.tokenizer import load_tokenizer
+from engine.weights import load_params, resolve_model
+from engine.weights.quantize import quantize_params
+from tests.engine.real_text import TALE_OF_TWO_CITIES
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "Water boils at",
+    "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+    "import numpy as np\n\n# compute the mean of a list\n",
+    "The history of the Roman Empire",
+    "My favourite recipe for pancakes is",
+    "In mathematics, a prime number is",
+]
+NUM_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def files():
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(files):
+    return load_tokenizer(files.path)
+
+
+@pytest.fixture(scope="module")
+def float32(files):
+    return load_params(files, dtype="float32")
+
+
+def greedy(cfg, params, tokenizer, **cache: object) -> list[list[int]]:
+    """The engine's greedy continuations of PROMPTS, NUM_TOKENS each (EOS ignored)."""
+    engine = LLMEngine(
+        cfg,
+        params,
+        tokenizer,
+        warm_up=False,
+        cache_config=CacheConfig(16, num_pages=128, **cache),  # type: ignore[arg-type]
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256
+        ),
+    )
+    ids = [str(i) for i in range(len(PROMPTS))]
+    for request_id, prompt in zip(ids, PROMPTS, strict=True):
+        sampling = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+        engine.add_request(request_id, prompt, sampling)
+    return [list(out.outputs[0].token_ids) for out in run_to_completion(engine, ids)]
+
+
+@pytest.fixture(scope="module")
+def float32_continuations(float32, tokenizer):
+    cfg, params = float32
+    return greedy(cfg, params, tokenizer)
+
+
+def agreement(expected: list[list[int]], got: list[list[int]]) -> tuple[int, list[int]]:
+    """Prompts whose continuations are identical, and where each first differs."""
+    first = [
+        next((i for i, (a, b) in enumerate(zip(e, g, strict=True)) if a != b), len(e))
+        for e, g in zip(expected, got, strict=True)
+    ]
+    return sum(f == NUM_TOKENS for f in first), first
+
+
+def test_int8_weights_kl_below_001_nats(files, float32, tokenizer) -> None:
+    cfg, params = float32
+    _, int8 = load_params(files, quantization=QuantizationConfig("int8"))
+    ids = np.asarray(tokenizer.encode(TALE_OF_TWO_CITIES)[:256], np.int32)[None]
+    assert ids.shape == (1, 256)
+    expected = jax.nn.log_softmax(naive.sequence_logits(params, ids, cfg=cfg))
+    got = jax.nn.log_softmax(naive.sequence_logits(int8, ids, cfg=cfg))
+    kl = float(jnp.mean(jnp.sum(jnp.exp(expected) * (expected - got), axis=-1)))
+    f32_bytes, int8_bytes = weight_bytes(params), weight_bytes(int8)
+    print(f"int8 weights: KL {kl:.5f} nats; {int8_bytes / 1e6:.1f} MB, f32 {f32_bytes / 1e6:.1f}")
+    assert kl < 0.01
+    assert int8_bytes < 0.3 * f32_bytes
+
+
+def test_int4_weights_greedy_agreement(float32, tokenizer, float32_continuations) -> None:
+    cfg, params = float32
+    int4 = quantize_params(params, QuantizationConfig("int4"), cfg.dtype)  # load-time path
+    agreed, first = agreement(float32_continuations, greedy(cfg, int4, tokenizer))
+    int4_bytes = weight_bytes(int4)
+    print(f"int4 weights: {agreed}/10 agree (first differences {first}); {int4_bytes / 1e6:.1f} MB")
+    assert agreed >= 8
+    assert int4_bytes < 0.25 * weight_bytes(params)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_greedy_agreement(
+    float32, tokenizer, float32_continuations, kv_dtype: str
+) -> None:
+    cfg, params = float32
+    got = greedy(cfg, params, tokenizer, kv_cache_dtype=kv_dtype)
+    agreed, first = agreement(float32_continuations, got)
+    print(f"{kv_dtype} KV cache: {agreed}/10 agree (first differences {first})")
+    # Measured (deterministic on CPU): int8 7/10, the others differing after 5-24 tokens;
+    # e4m3's 3 mantissa bits 3/10. Greedy continuations of this small model flip on the
+    # slightest change; the kernel tests bound the attention error itself.
+    assert agreed >= (7 if kv_dtype == "int8" else 3)
