@@ -97,6 +97,28 @@ class Tokenizer(ABC):
     def _token_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.convert_ids_to_tokens([token_id])[0]
 
+    def save(self, directory: Path) -> None:
+        """Writes files that `load_tokenizer(directory)` reads back as this tokenizer: its model
+        file, and tokenizer_config.json / generation_config.json with the special tokens, whether
+        they are added, and the chat template (as for a tokenizer rebuilt from GGUF metadata)."""
+        config: dict[str, Any] = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self._token_text(self.pad_token_id),
+            "add_bos_token": bool(self._specials.prefix_ids),
+            "add_eos_token": bool(self._specials.suffix_ids),
+            "chat_template": self.chat_template,
+            **self._save_model(directory),
+        }
+        config = {key: value for key, value in config.items() if value is not None}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        generation = {"eos_token_id": list(self.eos_token_ids)}
+        (directory / "generation_config.json").write_text(json.dumps(generation))
+
+    @abstractmethod
+    def _save_model(self, directory: Path) -> dict[str, Any]:
+        """Writes the model file into `directory`; returns tokenizer_config.json entries."""
+
 
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model; control, user-defined and added tokens are matched in text.
@@ -165,6 +187,15 @@ class SentencePieceTokenizer(Tokenizer):
         pieces.append(self._decode_run(run, first=not pieces))
         return "".join(pieces)
 
+    def _save_model(self, directory: Path) -> dict[str, Any]:
+        (directory / "tokenizer.model").write_bytes(self._sp.serialized_model_proto())
+        added = {
+            str(i): {"content": text, "special": special}
+            for i, (text, special) in self._added.items()
+            if i >= self._sp_size
+        }
+        return {"legacy": self._legacy, "added_tokens_decoder": added}
+
     def _decode_run(self, run: list[int], *, first: bool) -> str:
         # Only the very start of the text drops the dummy-prefix space, as transformers does.
         return (self._sp if first else self._sp_continuation).decode(run)
@@ -197,6 +228,10 @@ class HFTokenizer(Tokenizer):
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         return [self._tokenizer.id_to_token(i) or "" for i in ids]
+
+    def _save_model(self, directory: Path) -> dict[str, Any]:
+        self._tokenizer.save(str(directory / "tokenizer.json"))
+        return {}
 
 
 class IncrementalDetokenizer:
