@@ -1,4 +1,4 @@
-"""The `xlaserve` command line: `xlaserve generate`, `xlaserve serve` (bench/convert to come).
+"""The `xlaserve` command line: `xlaserve generate`, `xlaserve serve`, `xlaserve convert`.
 
 Errors meant for the user (a missing model, a corrupt file, a bad request) are printed as one
 line and exit with status 1; argument errors exit with argparse's status 2.
@@ -64,7 +64,33 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(run=_generate)
     _add_serve_parser(commands)
+    _add_convert_parser(commands)
     return parser
+
+
+def _add_convert_parser(commands: argparse._SubParsersAction) -> None:
+    convert = commands.add_parser(
+        "convert",
+        help="write a model's converted (and quantized) parameters, config and tokenizer with "
+        "orbax-checkpoint, for --model DIR to load without converting",
+    )
+    convert.add_argument("--model", required=True, help=_MODEL_HELP)
+    convert.add_argument(
+        "--output", required=True, help="directory to write (new, empty, or a converted one)"
+    )
+    convert.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32")
+    convert.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None)
+    convert.set_defaults(run=_convert)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.weights import convert
+
+    convert(args.model, Path(args.output), dtype=args.dtype, quantization=quantization_config(args))
+    print(f"wrote {args.output}; serve it with --model {args.output}")
+    return 0
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -178,13 +204,20 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+_MODEL_HELP = (
+    f"alias ({DEFAULT_MODEL}), Hugging Face checkpoint directory, .gguf file, or a directory "
+    "written by `xlaserve convert`"
+)
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=_MODEL_HELP)
     parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"alias ({DEFAULT_MODEL}), Hugging Face checkpoint directory, or .gguf file",
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="default: float32, or the dtype a converted directory holds",
     )
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATION_METHODS,

