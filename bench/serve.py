@@ -7,7 +7,8 @@ SGLang's `bench_serving`: flags, printed summary and JSON result follow vLLM's n
 
 Requests stream (`stream: true`); the client times the first text chunk (TTFT), the gaps between
 chunks (ITL), per-token time after the first (TPOT) and the whole request (E2EL). Output tokens
-are the server's `usage` when it sends one in the stream, else the generated text re-tokenized.
+are the server's `usage` when it sends one in the stream, else max_tokens when the request
+finished for its length, else the generated text re-tokenized.
 Prompts are generated offline from `--seed` (bench/datasets.py). `--scrape-metrics` reads the
 server's Prometheus /metrics before and after and reports the counters' change (xlaserve and
 vLLM names: prefix-cache hits, compilations, ...).
@@ -51,6 +52,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between text chunks
     text: str = ""
     error: str = ""
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def _payload(target: Target, request: BenchRequest, ignore_eos: bool) -> dict[st
         "stream_options": {"include_usage": True},
     }
     if ignore_eos:
-        body["ignore_eos"] = True  # vLLM's extension; llama.cpp's server takes it too
+        body["ignore_eos"] = True  # vLLM's extension (others: see Target.extra_body)
     if target.chat:
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:
@@ -115,6 +117,8 @@ async def send(
                 chunk = json.loads(data)
                 if chunk.get("usage"):
                     result.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                for choice in chunk.get("choices") or []:
+                    result.finish_reason = choice.get("finish_reason") or result.finish_reason
                 piece = _piece(chunk)
                 if not piece:
                     continue
@@ -273,7 +277,7 @@ async def benchmark(
     *,
     request_rate: float = math.inf,
     max_concurrency: int | None = None,
-    num_warmups: int = 0,
+    warmups: Sequence[BenchRequest] = (),
     ignore_eos: bool = False,
     goodput: dict[str, float] | None = None,
     scrape_metrics: bool = False,
@@ -281,12 +285,12 @@ async def benchmark(
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Warm-up requests (untimed), then the timed run; returns the JSON result."""
-    if num_warmups:
-        warm = [requests[i % len(requests)] for i in range(num_warmups)]
-        warm_start = time.perf_counter()
-        await run_requests(target, warm, max_concurrency=max_concurrency, ignore_eos=ignore_eos)
-        warmup_seconds = time.perf_counter() - warm_start
+    """`warmups` (untimed; prompts of their own, so that no cache has seen the timed ones),
+    then the timed run; returns the JSON result."""
+    warm_start = time.perf_counter()
+    if warmups:
+        await run_requests(target, warmups, max_concurrency=max_concurrency, ignore_eos=ignore_eos)
+    warmup_seconds = time.perf_counter() - warm_start
     before = await scrape(target) if scrape_metrics else {}
     results, duration = await run_requests(
         target,
@@ -297,9 +301,11 @@ async def benchmark(
         seed=seed,
         progress=progress,
     )
-    if tokenizer is not None:  # servers that send no usage in the stream
-        for r in results:
-            if r.success and not r.output_tokens:
+    for r, request in zip(results, requests, strict=True):  # servers that send no usage
+        if r.success and not r.output_tokens:
+            if r.finish_reason == "length":
+                r.output_tokens = request.output_len
+            elif tokenizer is not None:
                 r.output_tokens = len(tokenizer.encode(r.text, add_special_tokens=False))
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S"),
@@ -309,8 +315,8 @@ async def benchmark(
         "num_prompts": len(requests),
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",
         "max_concurrency": max_concurrency,
-        "num_warmups": num_warmups,
-        "warmup_seconds": warmup_seconds if num_warmups else 0.0,
+        "num_warmups": len(warmups),
+        "warmup_seconds": warmup_seconds,
         **summarize(results, duration, goodput),
     }
     if scrape_metrics:
@@ -366,23 +372,21 @@ def load_text_tokenizer(name: str) -> Any:
     return load_tokenizer(path)
 
 
-def make_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
+def make_requests(
+    args: argparse.Namespace, tokenizer: Any, num_prompts: int, seed: int
+) -> list[BenchRequest]:
     if args.dataset_name == "random":
         return datasets.random_requests(
             tokenizer,
-            args.num_prompts,
+            num_prompts,
             datasets.parse_range(args.random_input_len),
             datasets.parse_range(args.random_output_len),
             tokenizer.vocab_size,
-            args.seed,
+            seed,
         )
     if args.dataset_name == "sharegpt":
         return datasets.sharegpt_requests(
-            tokenizer,
-            args.num_prompts,
-            args.sharegpt_max_input,
-            args.sharegpt_max_output,
-            args.seed,
+            tokenizer, num_prompts, args.sharegpt_max_input, args.sharegpt_max_output, seed
         )
     return datasets.shared_prefix_requests(
         tokenizer,
@@ -391,8 +395,8 @@ def make_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest
         args.gsp_system_prompt_len,
         args.gsp_question_len,
         args.gsp_output_len,
-        args.seed,
-    )
+        seed,
+    )[:num_prompts]
 
 
 def parse_goodput(items: Sequence[str]) -> dict[str, float]:
@@ -425,7 +429,8 @@ def parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=("random", "sharegpt", "shared-prefix"),
                       default="random")  # fmt: skip
-    data.add_argument("--num-prompts", type=int, default=100)
+    data.add_argument("--num-prompts", type=int, default=100,
+                      help="(shared-prefix: groups x prompts per group, at most this)")  # fmt: skip
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--random-input-len", default="512", help="N or LOW:HIGH tokens")
     data.add_argument("--random-output-len", default="128", help="N or LOW:HIGH tokens")
@@ -460,7 +465,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     tokenizer = load_text_tokenizer(args.tokenizer or args.model)
     random.seed(args.seed)
-    requests = make_requests(args, tokenizer)
+    requests = make_requests(args, tokenizer, args.num_prompts, args.seed)
+    warmups = make_requests(args, tokenizer, args.num_warmups, args.seed + 1)[: args.num_warmups]
     target = Target(base_url, args.model, args.endpoint, args.api_key)
     result = asyncio.run(
         benchmark(
@@ -468,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             requests,
             request_rate=args.request_rate,
             max_concurrency=args.max_concurrency,
-            num_warmups=args.num_warmups,
+            warmups=warmups,
             ignore_eos=args.ignore_eos,
             goodput=parse_goodput(args.goodput),
             scrape_metrics=args.scrape_metrics,
