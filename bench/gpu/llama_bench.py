@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import signal
 import statistics
 import sys
@@ -422,7 +421,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "device": str(jax.devices()[0].device_kind),
         "platform": jax.default_backend(),
-        "versions": {"python": platform.python_version(), "jax": jax.__version__},
+        "versions": {"jax": jax.__version__},
         "plan": {k: v for k, v in asdict(plan).items() if k != "cfg"},
     }
     print(f"device: {results['device']} ({results['platform']}), jax {jax.__version__}")
