@@ -69,7 +69,9 @@ def random_requests(
 ) -> list[BenchRequest]:
     """vLLM's `random`: prompts of random token ids (ids below 256 skipped in real vocabularies,
     where models keep their special tokens), lengths uniform in the given ranges."""
-    rng = np.random.default_rng(seed)
+    # The lengths are part of the seed: workloads of other lengths never share a token stream,
+    # so one run's prompts are no prefix-cache hits for another's on the same server.
+    rng = np.random.default_rng([seed, *input_len, *output_len])
     low = 256 if vocab_size > 4096 else 32
     ins, outs = _lengths(rng, n, input_len), _lengths(rng, n, output_len)
     requests = []

@@ -124,7 +124,7 @@ def prefix_cache(
     )
     lengths = [(r.prompt_len, r.prompt_len) for r in shared]
     unshared = [
-        datasets.random_requests(tokenizer, 1, n, (16, 16), tokenizer.vocab_size, seed=i)[0]
+        datasets.random_requests(tokenizer, 1, n, (16, 16), tokenizer.vocab_size, seed=500 + i)[0]
         for i, n in enumerate(lengths)
     ]
     rows = []

@@ -424,7 +424,7 @@ def parser() -> argparse.ArgumentParser:
                         help="/v1/completions or /v1/chat/completions")  # fmt: skip
     server.add_argument("--model", required=True, help="model name sent in requests")
     server.add_argument("--tokenizer", default=None,
-                        help=".gguf, HF directory or alias (default: --model)")  # fmt: skip
+                        help=".gguf, HF directory or alias; None: --model")  # fmt: skip
     server.add_argument("--api-key", default=None)
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=("random", "sharegpt", "shared-prefix"),
