@@ -231,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         command = [str(baselines.llamacpp_python()), "-m", "llama_cpp.server",
                    "--model", str(gguf), "--n_threads", str(args.threads),
                    "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
+                   # its default lets each new request cut off the one running: queue them
+                   "--interrupt_requests", "False",
                    "--host", "127.0.0.1", "--port", str(args.port + 1)]  # fmt: skip
         # llama-cpp-python has no ignore_eos; min_tokens = max_tokens keeps EOS out the same way
         llama_url = f"http://127.0.0.1:{args.port + 1}"
