@@ -75,7 +75,7 @@ def run_server(
     first = next(iter(workloads.values()))[0]
     io = ((first.prompt_len,) * 2, (first.output_len,) * 2)
     warmups = datasets.random_requests(
-        tokenizer, args.num_warmups, *io, tokenizer.vocab_size, seed=1000
+        tokenizer, args.num_warmups, *io, tokenizer.vocab_size, seed=args.seed + 1000
     )
     log = Path(args.result_dir) / f"{system}-server.log"
     rows = []
@@ -172,6 +172,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-warmups", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0,
+                   help="change it to rerun against a server whose prefix cache saw a run")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's --n_threads")
     p.add_argument("--xlaserve-args", default="--max-num-seqs 64 --max-num-batched-tokens 512 "
                    "--max-model-len 1024", help="extra `xlaserve serve` flags")  # fmt: skip
@@ -194,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = serve.load_text_tokenizer(str(gguf))
     io = ((args.input_len,) * 2, (args.output_len,) * 2)
     workloads = {
-        c: datasets.random_requests(tokenizer, n, *io, tokenizer.vocab_size, seed=c)
+        c: datasets.random_requests(tokenizer, n, *io, tokenizer.vocab_size, seed=args.seed + c)
         for c, n in zip(args.concurrency, args.num_prompts, strict=True)
     }
     url = f"http://127.0.0.1:{args.port}"
