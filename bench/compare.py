@@ -173,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-warmups", type=int, default=2)
     p.add_argument("--seed", type=int, default=0,
-                   help="change it to rerun against a server whose prefix cache saw a run")  # fmt: skip
+                   help="change it when rerunning against a used server")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's --n_threads")
     p.add_argument("--xlaserve-args", default="--max-num-seqs 64 --max-num-batched-tokens 512 "
                    "--max-model-len 1024", help="extra `xlaserve serve` flags")  # fmt: skip
