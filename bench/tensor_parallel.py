@@ -56,7 +56,7 @@ def main() -> int:
     return 0
 
 
-def config():  # type: ignore[no-untyped-def]
+def config():
     from engine.config import ModelConfig
 
     return ModelConfig(
@@ -68,7 +68,7 @@ def config():  # type: ignore[no-untyped-def]
 CFG = None
 
 
-def describe(cfg) -> str:  # type: ignore[no-untyped-def]
+def describe(cfg) -> str:
     return (
         f"{cfg.num_layers} layers, d={cfg.hidden_size}, {cfg.num_heads} heads / "
         f"{cfg.num_kv_heads} KV heads, MLP {cfg.intermediate_size}, vocab {cfg.vocab_size}"
@@ -98,7 +98,8 @@ def measure(tp: int, repeats: int) -> tuple[int, float, float]:
     params = SamplingParams(temperature=0, max_tokens=repeats + 3, ignore_eos=True)
     for i in range(8):
         engine.add_request(f"r{i}", [(i * 131 + j) % 8000 + 100 for j in range(128)], params)
-    prefill, decode = [], []
+    prefill: list[float] = []
+    decode: list[float] = []
     while engine.has_unfinished_requests():
         prompt_tokens = engine.stats.num_computed_prompt_tokens
         start = time.perf_counter()
@@ -110,7 +111,7 @@ def measure(tp: int, repeats: int) -> tuple[int, float, float]:
     return tp, statistics.median(prefill[1:]), statistics.median(decode[1:])
 
 
-def byte_tokenizer():  # type: ignore[no-untyped-def]
+def byte_tokenizer():
     """The tests' byte-level tokenizer: outputs past its 260 ids detokenize to nothing, and
     the benchmark needs no text."""
     import tempfile

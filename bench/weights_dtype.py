@@ -182,8 +182,8 @@ def main() -> None:
 
     start = time.perf_counter()
     weights = [
-        run_variant(partial(weight_row, args.model, *variant, args.steps), variant[0], 6)
-        for variant in WEIGHTS
+        run_variant(partial(weight_row, args.model, label, dtype, quant, args.steps), label, 6)
+        for label, dtype, quant in WEIGHTS
     ]
     kv = [
         run_variant(partial(kv_row, args.model, kv_dtype, long, args.steps), kv_dtype, 4)

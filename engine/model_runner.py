@@ -187,6 +187,16 @@ class ModelRunner:
             self._executable(t, s, self.options())
         return time.perf_counter() - start
 
+    def warm_up_one(self) -> bool:
+        """Compiles the step of one bucket not compiled yet (smallest first); False when every
+        bucket is. A server calls this while idle, so that it answers before all are done."""
+        options = self.options()
+        for t, s in self.shapes.all_pairs():
+            if (t, s, options) not in self._compiled:
+                self._executable(t, s, options)
+                return True
+        return False
+
     def _executable(self, t: int, s: int, options: StepOptions) -> Any:
         key = (t, s, options)
         if key not in self._compiled:

@@ -34,8 +34,13 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    """`warm_up_when_idle`: the engine's step buckets are not all compiled yet; the engine thread
+    compiles one at a time while no request is waiting (a bucket a request needs first is
+    compiled on the spot), so that a server answers as soon as its weights are loaded."""
+
+    def __init__(self, engine: LLMEngine, *, warm_up_when_idle: bool = False):
         self.engine = engine
+        self._warming = warm_up_when_idle
         self._cond = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
         self._streams: dict[str, _Stream] = {}
@@ -141,16 +146,24 @@ class AsyncEngine:
             self._abort_all(EngineDeadError(f"engine loop died: {e!r}"))
 
     def _run_once(self) -> bool:
-        """Takes the inbox, then runs one step; False when it is time to stop."""
+        """Takes the inbox, then runs one step (or, idle, warms one bucket up); False when it is
+        time to stop."""
         with self._cond:
             while not self._inbox and not self.engine.has_unfinished_requests():
                 if self._stopping:
                     return False
+                if self._warming:
+                    break
                 self._cond.wait()
             operations = list(self._inbox)
             self._inbox.clear()
         for operation in operations:
             operation()
+        if not operations and not self.engine.has_unfinished_requests():
+            self._warming = self.engine.runner.warm_up_one()
+            if not self._warming:
+                log.info("all %d step buckets compiled", self.engine.runner.num_compiled)
+            return True
         for output in self.engine.step():
             self._deliver(output)
         return True

@@ -133,6 +133,14 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds running requests get to finish on SIGTERM or Ctrl-C",
     )
+    serve.add_argument(
+        "--warm-up",
+        choices=("background", "eager"),
+        default="background",
+        help="background: answer once the weights are loaded and compile the step buckets while "
+        "idle (a bucket a request needs first is compiled on the spot); eager: compile them all "
+        "before answering (multi-process and data-parallel engines always do)",
+    )
     _add_parallel_args(serve)
     serve.set_defaults(run=_serve)
 

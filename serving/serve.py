@@ -127,9 +127,15 @@ async def _serve(args: argparse.Namespace, app: Any, server: _Server, name: str)
 
 def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
     """Loads the model (sharded over the parallel sizes' mesh) and compiles the engine's
-    steps, with progress bars."""
-    engine, tokenizer = _load(args, warm_up=True)
-    return AsyncEngine(engine), tokenizer
+    steps, with progress bars, or while idle (`--warm-up background`, one engine in one
+    process: followers and replicas must hold every step before the first one runs)."""
+    background = (
+        getattr(args, "warm_up", "eager") == "background"
+        and args.data_parallel_size == 1
+        and jax.process_count() == 1
+    )
+    engine, tokenizer = _load(args, warm_up=not background)
+    return AsyncEngine(engine, warm_up_when_idle=background), tokenizer
 
 
 def _load(args: argparse.Namespace, *, warm_up: bool) -> tuple[Any, Tokenizer]:

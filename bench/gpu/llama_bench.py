@@ -188,15 +188,16 @@ def check_attention(cfg: ModelConfig, page_size: int = 16) -> dict[str, float]:
         head_dim=d, dtype=cfg.dtype,
     )  # fmt: skip
     dtype = jnp.dtype(cfg.dtype)
-    pages = jnp.full_like(init_kv_pages(spec), jnp.nan)
-    pages = write_kv(
-        pages,
+    empty = init_kv_pages(spec)
+    assert isinstance(empty, jax.Array)  # a float cache
+    written = write_kv(
+        jnp.full_like(empty, jnp.nan),
         jnp.asarray(np.concatenate(ks), dtype),
         jnp.asarray(np.concatenate(vs), dtype),
         jnp.asarray(slots, jnp.int32),
     )
     args = (
-        jnp.asarray(np.concatenate(qs), dtype), pages, jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(np.concatenate(qs), dtype), written, jnp.asarray(kv_lens, jnp.int32),
         jnp.asarray(table, jnp.int32), jnp.asarray(np.cumsum([0, *q_lens]), jnp.int32),
         jnp.asarray(len(kv_lens), jnp.int32),
     )  # fmt: skip

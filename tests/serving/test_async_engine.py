@@ -8,10 +8,13 @@ import time
 
 import pytest
 
+from engine import compilation, naive
+from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
 from serving.async_engine import AsyncEngine, EngineDeadError
+from tests.conftest import PAGE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -105,3 +108,33 @@ def test_dead_engine_loop_is_reported(engine: LLMEngine, monkeypatch) -> None:
         asyncio.run(asyncio.wait_for(main(), timeout=10))
     monkeypatch.undo()
     engine.abort_request("victim")
+
+
+def test_background_warm_up_serves_at_once_then_compiles_every_bucket(tiny) -> None:
+    """An engine built without warm-up answers a request right away (compiling the buckets it
+    needs on the spot), compiles the rest while idle, and then compiles nothing more."""
+    cfg, params, tokenizer = tiny
+    cold = LLMEngine(
+        cfg,
+        params,
+        tokenizer,
+        cache_config=CacheConfig(page_size=PAGE, num_pages=64),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64
+        ),
+        warm_up=False,
+    )
+    all_buckets = len(cold.runner.shapes.all_pairs())
+    front = AsyncEngine(cold, warm_up_when_idle=True)
+    try:
+        oracle = list(naive.generate(params, cfg, [1, 2, 3], naive.NaiveSampling(max_tokens=8)))
+        assert asyncio.run(collect(front, "first", [1, 2, 3])) == oracle
+        deadline = time.monotonic() + 120
+        while cold.runner.num_compiled < all_buckets and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cold.runner.num_compiled == all_buckets
+        before = compilation.count()
+        asyncio.run(collect(front, "second", [4, 5, 6, 7, 8, 9]))
+        assert compilation.count() == before
+    finally:
+        front.shutdown(timeout=5)
