@@ -174,10 +174,11 @@ def _load(args: argparse.Namespace, *, warm_up: bool) -> tuple[Any, Tokenizer]:
         warm_up=warm_up,
     )
     log.info(
-        "start-up: weights loaded and %d step buckets ready in %.1f s (%d XLA compilations so "
+        "start-up: weights loaded and %d step buckets ready in %.1f s%s (%d XLA compilations so "
         "far; a warm compilation cache makes that 0); %.1f s in all",
         engine.runner.num_compiled if hasattr(engine, "runner") else 0,
         time.perf_counter() - opened,
+        "" if warm_up else ", the others compile while idle",
         compilation.count(),
         time.perf_counter() - start,
     )
