@@ -29,6 +29,7 @@ from engine.models.layers import Params, dense_causal_attention
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
 from engine.weights import ModelFiles, load_params, resolve_model
+from tests.engine.test_smollm2_gguf import hf_greedy
 from tests.engine.test_tokenizer import CHATML_TEXTS, PLAIN_TEXTS
 
 pytestmark = pytest.mark.skipif(
@@ -150,18 +151,6 @@ def test_logits_on_600_token_prompt(ours, hf_model, hf_tokenizer) -> None:
     got = np.asarray(logits_at(params, ids, keep, cfg=cfg))
     assert np.abs(expected).max() > 10
     np.testing.assert_allclose(got, expected, atol=1e-3, rtol=0)
-
-
-def hf_greedy(model: torch.nn.Module, ids: list[int], num_tokens: int) -> list[int]:
-    """Greedy decoding with transformers' KV cache, straight through EOS."""
-    out, past, step_input = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            result = model(step_input, past_key_values=past, use_cache=True)
-            past, token = result.past_key_values, int(result.logits[0, -1].argmax())
-            out.append(token)
-            step_input = torch.tensor([[token]])
-    return out
 
 
 def test_greedy_continuations_identical(ours, hf_model, hf_tokenizer, gguf_tokenizer) -> None:
