@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from engine import compilation, kv_cache
+from engine import compilation, host_memory, kv_cache
 from engine.batch import BatchBuilder, BatchShapes
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.errors import XlaserveError
@@ -78,6 +78,8 @@ class ModelRunner:
         mesh: Mesh | None = None,
     ):
         compilation.install()
+        if _platform() == "cpu":
+            host_memory.keep_freed_memory()
         self.cfg = cfg
         self.plan = ShardingPlan.create(mesh, cfg) if mesh is not None else None
         self.params = self._place_params(params)
