@@ -51,9 +51,8 @@ def float32(files):
     return load_params(files, dtype="float32")
 
 
-def greedy(cfg, params, tokenizer, **cache: object) -> list[list[int]]:
-    """The engine's greedy continuations of PROMPTS, NUM_TOKENS each (EOS ignored)."""
-    engine = LLMEngine(
+def make_engine(cfg, params, tokenizer, **cache: object) -> LLMEngine:
+    return LLMEngine(
         cfg,
         params,
         tokenizer,
@@ -63,6 +62,11 @@ def greedy(cfg, params, tokenizer, **cache: object) -> list[list[int]]:
             max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256
         ),
     )
+
+
+def greedy(cfg, params, tokenizer, **cache: object) -> list[list[int]]:
+    """The engine's greedy continuations of PROMPTS, NUM_TOKENS each (EOS ignored)."""
+    engine = make_engine(cfg, params, tokenizer, **cache)
     ids = [str(i) for i in range(len(PROMPTS))]
     for request_id, prompt in zip(ids, PROMPTS, strict=True):
         sampling = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
@@ -109,15 +113,37 @@ def test_int4_weights_greedy_agreement(float32, tokenizer, float32_continuations
     assert int4_bytes < 0.25 * weight_bytes(params)
 
 
+def forced_top1(cfg, params, tokenizer, sequences, **cache: object) -> np.ndarray:
+    """The engine's most likely next token after every position of each sequence, teacher-forced
+    (one prefill per sequence, read off its prompt logprobs): i32[num_positions], concatenated."""
+    engine = make_engine(cfg, params, tokenizer, **cache)
+    ids = [str(i) for i in range(len(sequences))]
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    for request_id, sequence in zip(ids, sequences, strict=True):
+        engine.add_request(request_id, sequence, sampling)
+    outputs = run_to_completion(engine, ids)
+    return np.asarray(
+        [max(e, key=e.__getitem__) for out in outputs for e in out.prompt_logprobs[1:]]
+    )
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_quantized_kv_cache_greedy_agreement(
+def test_quantized_kv_cache_next_token_agreement(
     float32, tokenizer, float32_continuations, kv_dtype: str
 ) -> None:
+    """Teacher-forced next-token agreement with the float32 cache over the prompts and their
+    float32 continuations (708 positions). Free-running greedy continuations are too brittle to
+    compare: one flipped near-tie changes the rest, and which ties flip depends on the CPU's
+    summation order (fp8 kept 3/10 whole continuations on one machine, 1/10 on another)."""
     cfg, params = float32
-    got = greedy(cfg, params, tokenizer, kv_cache_dtype=kv_dtype)
-    agreed, first = agreement(float32_continuations, got)
-    print(f"{kv_dtype} KV cache: {agreed}/10 agree (first differences {first})")
-    # Measured (deterministic on CPU): int8 7/10, the others differing after 5-24 tokens;
-    # e4m3's 3 mantissa bits 3/10. Greedy continuations of this small model flip on the
-    # slightest change; the kernel tests bound the attention error itself.
-    assert agreed >= (7 if kv_dtype == "int8" else 3)
+    sequences = [
+        tokenizer.encode(prompt) + continuation
+        for prompt, continuation in zip(PROMPTS, float32_continuations, strict=True)
+    ]
+    expected = forced_top1(cfg, params, tokenizer, sequences)
+    got = forced_top1(cfg, params, tokenizer, sequences, kv_cache_dtype=kv_dtype)
+    agreed = float(np.mean(got == expected))
+    print(f"{kv_dtype} KV cache: next token agrees at {agreed:.1%} of {expected.size} positions")
+    # Measured on 708 positions: int8 99.2% (6 flips), fp8 97.6% (17); a flip is a near-tie
+    # that the quantization error tips over. The bounds allow ~3x the flips measured.
+    assert agreed >= (0.97 if kv_dtype == "int8" else 0.93)
