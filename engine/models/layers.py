@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import RopeScaling
-from engine.models.quant import QuantizedWeight, materialize
+from engine.models import quant
+from engine.models.quant import QuantizedWeight
 
 Params = dict[str, Any]
 
@@ -92,16 +93,19 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
     """f[T, In] @ f[In, Out] -> f[T, Out] in x's dtype, accumulated in float32.
 
     A float32 accumulator is what bf16 weights need for accuracy, and on CPU also for speed;
-    for float32 weights this is a plain matmul. A quantized weight is dequantized here.
+    for float32 weights this is a plain matmul. A quantized weight is multiplied as it is
+    (`quant.product`).
     """
-    w = materialize(w)
+    if isinstance(w, QuantizedWeight):
+        return quant.product(x, quant.as_matrix(w), transposed=False).astype(x.dtype)
     out = jnp.dot(_padded_rows(x, w).astype(w.dtype), w, preferred_element_type=jnp.float32)
     return out[: x.shape[0]].astype(x.dtype)
 
 
 def unembed(x: jax.Array, table: Weight) -> jax.Array:
     """f[T, D] against an embedding table f[V, D] -> f32[T, V] logits."""
-    table = materialize(table)
+    if isinstance(table, QuantizedWeight):
+        return quant.product(x, table, transposed=True)
     x32 = _padded_rows(x, table).astype(table.dtype)
     return jnp.einsum("TD,VD->TV", x32, table, preferred_element_type=jnp.float32)[: x.shape[0]]
 
@@ -109,16 +113,17 @@ def unembed(x: jax.Array, table: Weight) -> jax.Array:
 def project_to_heads(x: jax.Array, w: Weight) -> jax.Array:
     """f[T, D] @ f[D, N, H] -> f[T, N, H], as one 2-D matmul: XLA:CPU runs the equivalent
     3-D einsum ~1.7x slower at decode shapes (measured), and the reshapes are free."""
-    w = materialize(w)
     d, n, h = w.shape
+    if isinstance(w, QuantizedWeight):
+        return dense(x, w).reshape(x.shape[0], n, h)
     return dense(x, w.reshape(d, n * h)).reshape(x.shape[0], n, h)
 
 
 def project_from_heads(x: jax.Array, w: Weight) -> jax.Array:
     """f[T, N, H] @ f[N, H, D] -> f[T, D], as one 2-D matmul (see `project_to_heads`)."""
-    w = materialize(w)
     n, h, d = w.shape
-    return dense(x.reshape(x.shape[0], n * h), w.reshape(n * h, d))
+    flat = x.reshape(x.shape[0], n * h)
+    return dense(flat, w) if isinstance(w, QuantizedWeight) else dense(flat, w.reshape(n * h, d))
 
 
 def gated_mlp(x: jax.Array, p: Params, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:

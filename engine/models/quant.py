@@ -11,8 +11,9 @@ int8 per output channel is one group spanning the whole axis; GGUF blocks are gr
 int4 values are unsigned nibbles 0..15, two per byte along `axis` (element 2j in the low
 nibble of byte j, element 2j+1 in the high one).
 
-The model code calls `materialize` on each weight right where it is used, inside the jitted
-step: device memory holds the quantized arrays, XLA dequantizes them on the fly.
+Device memory holds the quantized arrays. The model's products take them as they are
+(`product`: on CPU a C++ kernel reads the integers in place for decode-sized batches, otherwise
+XLA dequantizes inside the jitted step); `materialize` gives the float weight anywhere else.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import cpu
 
 BITS = (4, 8)
 # Contraction axis of each linear weight of the Llama family's params (see models/layers.py):
@@ -96,6 +99,61 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
 def materialize(w: jax.Array | QuantizedWeight) -> jax.Array:
     """A float weight as is; a quantized one dequantized (inside whatever jit calls this)."""
     return dequantize(w) if isinstance(w, QuantizedWeight) else w
+
+
+def as_matrix(w: QuantizedWeight) -> QuantizedWeight:
+    """A linear weight as [In, Out] (contraction first): [D, N, H] -> [D, N*H] for q/k/v,
+    [N, H, D] -> [N*H, D] for the output projection (groups lie within a head, so a group of
+    the merged axis is still one of H's); a 2-D weight as it is."""
+    if w.values.ndim == 2:
+        return w
+    if w.axis == 0:
+        merge = lambda x: x.reshape(x.shape[0], -1)
+    elif w.axis == w.values.ndim - 2:
+        merge = lambda x: x.reshape(-1, x.shape[-1])
+    else:
+        raise ValueError(f"cannot flatten a weight of shape {w.shape} grouped along {w.axis}")
+    parts = (w.values, w.scales, w.offsets)
+    values, scales, offsets = (None if x is None else merge(x) for x in parts)
+    return QuantizedWeight(values, scales, offsets, w.bits, 0, w.dtype)
+
+
+# The CPU kernel reads the weights once per two rows of x, so it wins over dequantizing the whole
+# weight as long as the rows are few: decode batches; prefill chunks dequantize (bench/RESULTS.md).
+KERNEL_MAX_ROWS = 64
+
+
+def product(x: jax.Array, w: QuantizedWeight, *, transposed: bool) -> jax.Array:
+    """f[T, In] @ w (a [In, Out] weight, grouped along In) or @ w.T (a [Out, In] table grouped
+    along In), in float32. On CPU, for up to KERNEL_MAX_ROWS rows, the C++ kernel reads the
+    integers in place; elsewhere the weight is dequantized and multiplied."""
+
+    def dequantized(x: jax.Array) -> jax.Array:
+        table = dequantize(w)
+        spec = "TD,VD->TV" if transposed else "TD,DV->TV"
+        return jnp.einsum(spec, x.astype(table.dtype), table, preferred_element_type=jnp.float32)
+
+    if x.shape[0] > KERNEL_MAX_ROWS or not _kernel_takes(w, transposed):
+        return dequantized(x)
+
+    def kernel(x: jax.Array) -> jax.Array:
+        return cpu.quantized_matmul(
+            x, w.values, w.scales, w.offsets, bits=w.bits, transposed=transposed
+        )
+
+    return jax.lax.platform_dependent(x, cpu=kernel, default=dequantized)
+
+
+def _kernel_takes(w: QuantizedWeight, transposed: bool) -> bool:
+    """The shapes `pallas_kernels.cpu.quantized_matmul` supports (and the library is built)."""
+    if w.values.ndim != 2 or w.axis != (1 if transposed else 0):
+        return False
+    group, out = w.group_size, w.shape[0 if transposed else 1]
+    if transposed:
+        fits = group % (16 if w.bits == 8 else 32) == 0 and w.shape[1] <= 4096
+    else:
+        fits = group % 2 == 0 and out % 64 == 0
+    return fits and cpu.available()
 
 
 def take_rows(w: jax.Array | QuantizedWeight, ids: jax.Array) -> jax.Array:

@@ -16,7 +16,8 @@ The contract every implementation follows:
 - Only T, S and P are static; lengths and the prefill/decode mix are runtime arrays.
 
 `impl=None` picks by platform: TPU -> the Mosaic TPU kernel, GPU -> the GPU kernel, CPU -> the
-reference. The kernel modules are imported only when chosen, so the reference runs anywhere.
+C++ decode kernel with the reference's prefill (`cpu.py`).
+The kernel modules are imported only when chosen, so the reference runs anywhere.
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
 )
 
-IMPLS = ("reference", "tpu", "gpu")
+IMPLS = ("reference", "cpu", "tpu", "gpu")
 # impl -> (module under this package, its attention function); each module also has
 # check_supported(q_dtype, head_dim, page_size, num_q_heads, num_kv_heads).
 _MODULES = {
     "reference": ("reference", "ragged_paged_attention_reference"),
+    "cpu": ("cpu", "ragged_paged_attention_cpu"),
     "tpu": ("tpu", "ragged_paged_attention_tpu"),
     "gpu": ("gpu", "ragged_paged_attention_gpu"),
 }
-_PLATFORM_IMPL = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "reference"}
+_PLATFORM_IMPL = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
 
 
 def platform_of(x: jax.Array) -> str:
@@ -101,7 +103,7 @@ def ragged_paged_attention(
       sm_scale: multiplies q . k (usually D ** -0.5 of the unpadded D).
       sliding_window: a query at position i sees keys j with i - j < sliding_window.
       logit_soft_cap: scores become cap * tanh(scores / cap).
-      impl: "reference", "tpu" or "gpu"; None picks by the platform of q.
+      impl: "reference", "cpu", "tpu" or "gpu"; None picks by the platform of q.
 
     Returns:
       [T, Hq, D] in q's dtype; rows >= cu_q_lens[num_seqs] are unspecified.

@@ -344,6 +344,63 @@ def _prefill_rows(
     return lax.fori_loop(0, ends[-1], query_block, out)
 
 
+def _normalized(
+    kv_lens: jax.Array, page_table: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    num_seqs = jnp.minimum(num_seqs.astype(jnp.int32), kv_lens.shape[0])
+    return (
+        kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+        num_seqs,
+    )
+
+
+def _pages_per_block(tokens: int, page_size: int, width: int) -> int:
+    # Whole pages, at least one, and never wider than the page table (that would add only masks).
+    return min(max(1, tokens // page_size), width)
+
+
+def multi_token_rows(
+    out: jax.Array,  # f32[T, Hq, D]
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+    q_block: int = DEFAULT_Q_BLOCK,
+    kv_block: int | None = None,
+    kv_scales: jax.Array | None = None,
+) -> jax.Array:
+    """The reference's rows of every sequence with more than one query (prefill, chunked
+    prefill) written into `out`, other rows left as they are: for a backend that does the
+    decode rows itself (`pallas_kernels.ragged_paged_attention.cpu`)."""
+    if kv_block is None:
+        kv_block = SCORE_BLOCK_BYTES // (q.shape[1] * q_block * 4)
+    kv_lens, page_table, cu_q_lens, num_seqs = _normalized(kv_lens, page_table, cu_q_lens, num_seqs)
+    with jax.named_scope("prefill"):
+        return _prefill_rows(
+            out,
+            q,
+            kv_pages,
+            kv_lens,
+            page_table,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap,
+            q_block=min(q_block, q.shape[0]),
+            block_pages=_pages_per_block(kv_block, kv_pages.shape[1], page_table.shape[1]),
+            kv_scales=kv_scales,
+        )
+
+
 def _ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -360,19 +417,10 @@ def _ragged_paged_attention(
     decode_kv_block: int | None,
     kv_scales: jax.Array | None,
 ) -> jax.Array:
-    page_size = kv_pages.shape[1]
-    if kv_block is None:
-        kv_block = SCORE_BLOCK_BYTES // (q.shape[1] * q_block * 4)
     if decode_kv_block is None:
         token_bytes = kv_lens.shape[0] * kv_pages.shape[2] * kv_pages.shape[3] * 4
         decode_kv_block = min(DECODE_BLOCK_BYTES // token_bytes, DECODE_MAX_BLOCK)
-    # Whole pages, at least one, and never wider than the page table (that would add only masks).
-    prefill_pages = min(max(1, kv_block // page_size), page_table.shape[1])
-    decode_pages = min(max(1, decode_kv_block // page_size), page_table.shape[1])
-    page_table = page_table.astype(jnp.int32)
-    kv_lens, cu_q_lens = kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
-    num_seqs = jnp.minimum(num_seqs.astype(jnp.int32), kv_lens.shape[0])
-    args = (q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    args = (q, kv_pages, *_normalized(kv_lens, page_table, cu_q_lens, num_seqs))
     out = jnp.zeros(q.shape, jnp.float32)
     with jax.named_scope("decode"):
         out = _decode_rows(
@@ -381,20 +429,19 @@ def _ragged_paged_attention(
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             logit_soft_cap=logit_soft_cap,
-            block_pages=decode_pages,
+            block_pages=_pages_per_block(decode_kv_block, kv_pages.shape[1], page_table.shape[1]),
             kv_scales=kv_scales,
         )
-    with jax.named_scope("prefill"):
-        out = _prefill_rows(
-            out,
-            *args,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap,
-            q_block=min(q_block, q.shape[0]),
-            block_pages=prefill_pages,
-            kv_scales=kv_scales,
-        )
+    out = multi_token_rows(
+        out,
+        *args,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+        q_block=q_block,
+        kv_block=kv_block,
+        kv_scales=kv_scales,
+    )
     return out.astype(q.dtype)
 
 
@@ -469,4 +516,9 @@ def ragged_paged_attention_reference(
     )
 
 
-__all__ = ["check_inputs", "check_supported", "ragged_paged_attention_reference"]
+__all__ = [
+    "check_inputs",
+    "check_supported",
+    "multi_token_rows",
+    "ragged_paged_attention_reference",
+]

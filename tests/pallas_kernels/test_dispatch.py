@@ -36,7 +36,7 @@ def call(case: RaggedCase, **kwargs: object) -> jax.Array:
 
 @pytest.mark.parametrize(
     ("platform", "impl"),
-    [("cpu", "reference"), ("tpu", "tpu"), ("gpu", "gpu"), ("cuda", "gpu"), ("rocm", "gpu")],
+    [("cpu", "cpu"), ("tpu", "tpu"), ("gpu", "gpu"), ("cuda", "gpu"), ("rocm", "gpu")],
 )
 def test_platform_defaults(platform: str, impl: str) -> None:
     assert resolve_impl(None, platform) == impl
@@ -54,11 +54,13 @@ def test_unknown_impl_and_platform_raise() -> None:
         resolve_impl(None, "metal")
 
 
-def test_cpu_default_is_the_reference() -> None:
+def test_cpu_default_is_the_cpu_kernel() -> None:
+    # The C++ decode kernel sums in another order than the reference: equal to float32 rounding.
     case = small_case()
-    np.testing.assert_array_equal(
+    np.testing.assert_allclose(
         np.asarray(call(case))[: case.num_tokens],
         np.asarray(call(case, impl="reference"))[: case.num_tokens],
+        atol=1e-5,
     )
 
 

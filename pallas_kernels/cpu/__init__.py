@@ -1,0 +1,145 @@
+"""CPU kernels in C++ (`kernels.cc`), called from jitted code through `jax.ffi`.
+
+XLA:CPU runs the reference attention's decode gathers and a one-row product with int8 or int4
+weights far below the memory bandwidth (shared/BASELINES.md, bench/RESULTS.md); these two
+kernels read each byte once. Each has a pure-jnp twin that is its oracle in the tests and the
+path on every other platform and wherever the library cannot be built.
+
+The library is compiled once per machine with the system's C++ compiler into
+~/.cache/xlaserve/cpu-kernels/ (`make` does it at install: `python -m pallas_kernels.cpu`), keyed
+by the source, the jaxlib version and the CPU, since it is built with -march=native.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.cc")
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlaserve" / "cpu-kernels"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+TARGETS = {"xlaserve_decode_attention": "XlaserveDecodeAttention",
+           "xlaserve_quantized_matmul": "XlaserveQuantizedMatmul"}  # fmt: skip
+
+
+def _cpu_id() -> str:
+    """The CPU's model and feature flags (the build is -march=native)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def library_path() -> Path:
+    key = "\n".join([SOURCE.read_text(), jaxlib.__version__, " ".join(FLAGS), _cpu_id()])
+    return CACHE / hashlib.sha256(key.encode()).hexdigest()[:16] / "libxlaserve_cpu.so"
+
+
+def build() -> Path:
+    """Compiles the library unless this machine already has it; returns its path."""
+    path = library_path()
+    if path.exists():
+        return path
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+        out.replace(path)  # atomic: a concurrent build of the same key writes the same file
+    return path
+
+
+@functools.cache
+def available() -> bool:
+    """Builds (if needed), loads and registers the kernels once; False if that fails."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+    except (OSError, RuntimeError) as e:
+        log.warning("CPU kernels unavailable, using the XLA paths: %s", e)
+        return False
+    for name, symbol in TARGETS.items():
+        capsule = jax.ffi.pycapsule(getattr(library, symbol))
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return True
+
+
+def decode_attention(
+    q: jax.Array,  # f32[T, Hq, D]
+    kv_pages: jax.Array,  # f32[num_pages, page_size, 2*Hkv, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_table: jax.Array,  # i32[S, P]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+) -> jax.Array:
+    """Attention of every sequence with exactly one query row (a decode) over the paged cache,
+    in the contract of `pallas_kernels.ragged_paged_attention`; f32[T, Hq, D] with every other
+    row zero. Needs `available()`; head_dim <= 256 and Hq / Hkv <= 8."""
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    call = jax.ffi.ffi_call("xlaserve_decode_attention", out, vmap_method="sequential")
+    return call(
+        q,
+        kv_pages,
+        kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+        num_seqs.astype(jnp.int32).reshape(()),
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int64(sliding_window or 0),  # 0: no window (an FFI attribute)
+        logit_soft_cap=np.float32(logit_soft_cap or 0.0),  # 0: no cap
+    )
+
+
+def quantized_matmul(
+    x: jax.Array,  # f32[T, K]
+    values: jax.Array,  # i8[K, N] | u8[K/2, N]; transposed: i8[N, K] | u8[N, K/2]
+    scales: jax.Array,  # f32[K/G, N]; transposed: f32[N, K/G]
+    offsets: jax.Array | None,  # like scales, or None
+    *,
+    bits: int,
+    transposed: bool,
+) -> jax.Array:
+    """x @ w (or x @ w.T when transposed) for w = values * scales + offsets in groups of G
+    consecutive elements along K, 4-bit values two per byte along K (element 2j in the low
+    nibble of byte j); f32[T, N]. Reads the weights once per 4 rows of x."""
+    n = values.shape[0] if transposed else values.shape[1]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    call = jax.ffi.ffi_call("xlaserve_quantized_matmul", out, vmap_method="sequential")
+    dummy = jnp.zeros((1, 1), jnp.float32)
+    return call(
+        x.astype(jnp.float32),
+        values,
+        scales,
+        dummy if offsets is None else offsets,
+        bits=np.int64(bits),
+        transposed=np.int64(transposed),
+        has_offsets=np.int64(offsets is not None),
+    )
+
+
+__all__ = ["available", "build", "decode_attention", "quantized_matmul"]

@@ -1,0 +1,401 @@
+// CPU kernels for the parts of the step where XLA:CPU's generic code falls far short of the
+// memory bandwidth: decode attention over the paged cache, and products of a few activation
+// rows with int8/int4 weights. Registered with XLA through the FFI (see __init__.py); each has
+// a pure-jnp twin that is its test oracle and the path on every other platform.
+//
+// Plain C++ loops written so that GCC/Clang vectorise them (-O3 -march=native, OpenMP SIMD
+// pragmas for the reductions); work is split over XLA's own intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---- work splitting -------------------------------------------------------------------------
+
+// Runs body(i) for i in [0, n) on the caller and XLA's intra-op pool. Items are claimed from an
+// atomic counter, so a helper task that starts late finds nothing left and returns without
+// touching `body`; the caller waits only for items already claimed, which are running.
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, &body] {
+    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
+      body(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work(); });
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// ---- vectors --------------------------------------------------------------------------------
+
+// 16 float lanes through the compiler's vector extensions (GCC, Clang): one AVX-512 register, two
+// AVX2 ones, four NEON ones. Explicit, because auto-vectorisation picked the wrong loops here.
+constexpr int kLanes = 16;
+typedef float F16 __attribute__((vector_size(64)));
+typedef int8_t I8x16 __attribute__((vector_size(16)));
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+
+inline F16 Load(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store(float* p, F16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline float Sum(F16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+// Bytes to floats. GCC scalarises the generic 8-bit -> float vector conversion, so with
+// AVX-512 the widening is spelled out (one vpmovsxbd/vpmovzxbd, one vcvtdq2ps).
+template <typename Bytes>
+inline F16 ToFloat(Bytes v) {
+#if defined(__AVX512F__)
+  __m128i raw;
+  std::memcpy(&raw, &v, sizeof(raw));
+  __m512i wide;
+  if constexpr (std::is_same_v<Bytes, I8x16>) wide = _mm512_cvtepi8_epi32(raw);
+  else wide = _mm512_cvtepu8_epi32(raw);
+  return reinterpret_cast<F16>(_mm512_cvtepi32_ps(wide));
+#else
+  return __builtin_convertvector(__builtin_convertvector(v, I32x16), F16);
+#endif
+}
+inline F16 LoadI8(const int8_t* p) {
+  I8x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return ToFloat(v);
+}
+inline U8x16 LoadU8(const uint8_t* p) {
+  U8x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// a . b over n floats, n a multiple of kLanes.
+inline float Dot(const float* a, const float* b, int64_t n) {
+  F16 acc{};
+  for (int64_t i = 0; i < n; i += kLanes) acc += Load(a + i) * Load(b + i);
+  return Sum(acc);
+}
+
+// ---- decode attention -----------------------------------------------------------------------
+
+constexpr int kKeyBlock = 32;  // keys scored together before one online-softmax update
+constexpr int64_t kMaxDim = 256, kMaxGroup = 8;
+
+// exp(x) for x <= 0 in float32 (relative error ~2e-7): 2^n * e^r with |r| <= ln2/2, a degree-6
+// polynomial for e^r; x < -87 gives ~0.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct AttentionShape {
+  int64_t tokens, num_q_heads, head_dim, page_size, combined, table_width, num_slots;
+};
+
+// One sequence's single query row, one kv head: the G query heads that share it, keys
+// [first, kv_len), read page by page through the table. Online softmax in float32.
+void DecodeOneHead(const AttentionShape& d, const float* q, const float* kv_pages,
+                   const int32_t* table, int64_t first, int64_t kv_len, int64_t kv_head,
+                   float sm_scale, float soft_cap, float* out) {
+  const int64_t group = d.num_q_heads / (d.combined / 2), dim = d.head_dim;
+  alignas(64) float qs[kMaxGroup][kMaxDim], acc[kMaxGroup][kMaxDim];
+  float m[kMaxGroup], l[kMaxGroup], s[kKeyBlock];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t x = 0; x < dim; ++x) qs[g][x] = q[(kv_head * group + g) * dim + x] * sm_scale;
+    std::fill(acc[g], acc[g] + dim, 0.0f);
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  const float* keys[kKeyBlock];
+  for (int64_t start = first; start < kv_len; start += kKeyBlock) {
+    const int64_t n = std::min<int64_t>(kKeyBlock, kv_len - start);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t key = start + j, page = table[key / d.page_size];
+      keys[j] = kv_pages + ((page * d.page_size + key % d.page_size) * d.combined + 2 * kv_head) * dim;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float block_max = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        float dot = Dot(qs[g], keys[j], dim);
+        if (soft_cap > 0) dot = soft_cap * std::tanh(dot / soft_cap);
+        s[j] = dot;
+        block_max = std::max(block_max, dot);
+      }
+      const float new_max = std::max(m[g], block_max);
+      const float alpha = ExpNonPositive(m[g] - new_max);  // 0 on the first block
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = ExpNonPositive(s[j] - new_max);
+        sum += s[j];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = new_max;
+      for (int64_t x = 0; x < dim; x += kLanes) {
+        F16 a = Load(acc[g] + x) * alpha;
+        for (int64_t j = 0; j < n; ++j) a += s[j] * Load(keys[j] + dim + x);
+        Store(acc[g] + x, a);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* o = out + (kv_head * group + g) * dim;
+    const float inv = l[g] > 0 ? 1.0f / l[g] : 0.0f;
+    for (int64_t x = 0; x < dim; ++x) o[x] = acc[g][x] * inv;
+  }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::F32> kv_pages, ffi::Buffer<ffi::S32> kv_lens,
+                               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
+                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
+                               float sm_scale, int64_t sliding_window, float logit_soft_cap) {
+  const auto qd = q.dimensions(), kd = kv_pages.dimensions();
+  const AttentionShape d{qd[0], qd[1], qd[2], kd[1], kd[2], page_table.dimensions()[1],
+                         kv_lens.dimensions()[0]};
+  const int64_t group = d.num_q_heads / (d.combined / 2);
+  if (d.head_dim > kMaxDim || d.head_dim % kLanes != 0 || group > kMaxGroup ||
+      kd[3] != d.head_dim) {
+    return ffi::Error::InvalidArgument(
+        "decode attention: head_dim a multiple of 16 up to 256, Hq/Hkv <= 8");
+  }
+  float* o = out->typed_data();
+  std::memset(o, 0, sizeof(float) * d.tokens * d.num_q_heads * d.head_dim);
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, d.num_slots);
+  const int64_t kv_heads = d.combined / 2;
+  const int64_t row_size = d.num_q_heads * d.head_dim;
+  ParallelFor(pool, seqs * kv_heads, [&](int64_t item) {
+    const int64_t seq = item / kv_heads, head = item % kv_heads;
+    const int64_t row = cu[seq], kv_len = lens[seq];
+    if (cu[seq + 1] - row != 1 || row < 0 || row >= d.tokens || kv_len <= 0) return;
+    const int64_t max_len = d.table_width * d.page_size;
+    const int64_t len = std::min(kv_len, max_len);
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    DecodeOneHead(d, q.typed_data() + row * row_size, kv_pages.typed_data(),
+                  page_table.typed_data() + seq * d.table_width, first, len, head, sm_scale,
+                  logit_soft_cap, o + row * row_size);
+  });
+  return ffi::Error::Success();
+}
+
+// ---- quantized matmul -----------------------------------------------------------------------
+
+// y f32[T, N] = x f32[T, K] @ w, w[k, n] = q[k, n] * scale[k / G, n] (+ offset[k / G, n]), with
+// q int8 [K, N], or unsigned 4-bit [K/2, N] (element 2j in the low nibble of byte j). Columns
+// are cut into tiles of kTile (the last may be half as wide); a tile is one pass over its
+// weights for up to kRows rows of x.
+constexpr int64_t kTile = 128, kRows = 2;
+
+template <int Bits, int Rows, int kVectors>
+void KnTile(const float* x, int64_t k_size, const uint8_t* values, const float* scales,
+            const float* offsets, int64_t group, int64_t n_size, int64_t n0, float* y) {
+  F16 acc[Rows][kVectors] = {};
+  for (int64_t g0 = 0; g0 < k_size; g0 += group) {
+    // Each weight is dequantized (q * scale + offset) before it meets x, as `dequantize` does:
+    // factoring the scale out of the group's sum would cancel large terms with offsets.
+    F16 scale[kVectors], offset[kVectors] = {};
+    for (int v = 0; v < kVectors; ++v) {
+      scale[v] = Load(scales + (g0 / group) * n_size + n0 + v * kLanes);
+      if (offsets) offset[v] = Load(offsets + (g0 / group) * n_size + n0 + v * kLanes);
+    }
+    for (int64_t k = g0; k < g0 + group; k += Bits == 4 ? 2 : 1) {
+      F16 lo[kVectors], hi[kVectors];
+      for (int v = 0; v < kVectors; ++v) {
+        if constexpr (Bits == 8) {
+          const auto* row = reinterpret_cast<const int8_t*>(values) + k * n_size + n0;
+          lo[v] = LoadI8(row + v * kLanes) * scale[v] + offset[v];
+        } else {
+          const U8x16 b = LoadU8(values + (k / 2) * n_size + n0 + v * kLanes);
+          lo[v] = ToFloat(b & 15) * scale[v] + offset[v];
+          hi[v] = ToFloat(b >> 4) * scale[v] + offset[v];
+        }
+      }
+      for (int r = 0; r < Rows; ++r) {
+        const float a = x[r * k_size + k];
+        for (int v = 0; v < kVectors; ++v) acc[r][v] += a * lo[v];
+        if constexpr (Bits == 4) {
+          const float b = x[r * k_size + k + 1];
+          for (int v = 0; v < kVectors; ++v) acc[r][v] += b * hi[v];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kVectors; ++v) Store(y + r * n_size + n0 + v * kLanes, acc[r][v]);
+}
+
+template <int Bits, int Vectors>
+void KnColumns(const float* x, int64_t rows, int64_t k_size, const uint8_t* values,
+               const float* scales, const float* offsets, int64_t group, int64_t n_size,
+               int64_t n0, float* y) {
+  for (int64_t r = 0; r < rows; r += kRows) {
+    const float* xr = x + r * k_size;
+    float* yr = y + r * n_size;
+    if (rows - r >= 2)
+      KnTile<Bits, 2, Vectors>(xr, k_size, values, scales, offsets, group, n_size, n0, yr);
+    else
+      KnTile<Bits, 1, Vectors>(xr, k_size, values, scales, offsets, group, n_size, n0, yr);
+  }
+}
+
+template <int Bits>
+void KnTileAt(const float* x, int64_t rows, int64_t k_size, const uint8_t* values,
+              const float* scales, const float* offsets, int64_t group, int64_t n_size,
+              int64_t tile, float* y) {
+  const int64_t n0 = tile * kTile;
+  if (n_size - n0 >= kTile)
+    KnColumns<Bits, kTile / kLanes>(x, rows, k_size, values, scales, offsets, group, n_size, n0, y);
+  else
+    KnColumns<Bits, kTile / kLanes / 2>(x, rows, k_size, values, scales, offsets, group, n_size,
+                                        n0, y);
+}
+
+// y f32[T, N] = x f32[T, K] @ w^T, w[n, k] = q[n, k] * scale[n, k / G] (+ offset[n, k / G]):
+// an embedding table as the output layer. q int8 [N, K] (G a multiple of 16), or 4-bit
+// [N, K/2] (G a multiple of 32) dotted with x's even and odd elements apart (`xe`, `xo`).
+template <int Bits>
+void NkRow(const float* x, const float* xe, const float* xo, int64_t rows, int64_t k_size,
+           const uint8_t* values, const float* scales, const float* offsets, int64_t group,
+           int64_t n_size, int64_t n, float* y) {
+  const int64_t groups = k_size / group;
+  const float* s = scales + n * groups;
+  const float* o = offsets ? offsets + n * groups : nullptr;
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int64_t count = std::min<int64_t>(4, rows - r0);
+    F16 acc[4] = {};
+    if constexpr (Bits == 8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(values) + n * k_size;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float off = o ? o[g] : 0.0f;
+        for (int64_t k = g * group; k < (g + 1) * group; k += kLanes) {
+          const F16 w = LoadI8(q + k) * s[g] + off;
+          for (int64_t r = 0; r < count; ++r) acc[r] += w * Load(x + (r0 + r) * k_size + k);
+        }
+      }
+    } else {
+      const int64_t half = k_size / 2;
+      const uint8_t* q = values + n * half;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float off = o ? o[g] : 0.0f;
+        for (int64_t b = g * group / 2; b < (g + 1) * group / 2; b += kLanes) {
+          const U8x16 bytes = LoadU8(q + b);
+          const F16 lo = ToFloat(bytes & 15) * s[g] + off;
+          const F16 hi = ToFloat(bytes >> 4) * s[g] + off;
+          for (int64_t r = 0; r < count; ++r)
+            acc[r] += lo * Load(xe + (r0 + r) * half + b) + hi * Load(xo + (r0 + r) * half + b);
+        }
+      }
+    }
+    for (int64_t r = 0; r < count; ++r) y[(r0 + r) * n_size + n] = Sum(acc[r]);
+  }
+}
+
+ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
+                               ffi::Buffer<ffi::F32> offsets, ffi::ResultBuffer<ffi::F32> y,
+                               int64_t bits, int64_t transposed, int64_t has_offsets) {
+  const int64_t rows = x.dimensions()[0], k_size = x.dimensions()[1];
+  const int64_t n_size = y->dimensions()[1];
+  const auto sd = scales.dimensions();
+  const int64_t groups = transposed ? sd[1] : sd[0];
+  const int64_t group = groups > 0 ? k_size / groups : 0;
+  const int64_t group_multiple = !transposed ? bits / 4 : bits == 8 ? kLanes : 2 * kLanes;
+  if (group <= 0 || group * groups != k_size || group % group_multiple != 0 ||
+      (!transposed && n_size % (kTile / 2) != 0) || (bits != 8 && bits != 4)) {
+    return ffi::Error::InvalidArgument("quantized matmul: unsupported shape (see __init__.py)");
+  }
+  const float* xp = x.typed_data();
+  const auto* q = static_cast<const uint8_t*>(values.untyped_data());
+  const float* s = scales.typed_data();
+  const float* o = has_offsets ? offsets.typed_data() : nullptr;
+  float* yp = y->typed_data();
+  if (!transposed) {
+    ParallelFor(pool, (n_size + kTile - 1) / kTile, [&](int64_t tile) {
+      if (bits == 8) KnTileAt<8>(xp, rows, k_size, q, s, o, group, n_size, tile, yp);
+      else KnTileAt<4>(xp, rows, k_size, q, s, o, group, n_size, tile, yp);
+    });
+    return ffi::Error::Success();
+  }
+  std::unique_ptr<float[]> split(new float[bits == 4 ? rows * k_size : 0]);
+  float *xe = split.get(), *xo = xe + rows * k_size / 2;
+  for (int64_t i = 0; bits == 4 && i < rows * k_size / 2; ++i) {
+    xe[i] = xp[2 * i];
+    xo[i] = xp[2 * i + 1];
+  }
+  constexpr int64_t kBlock = 512;  // table rows per work item
+  ParallelFor(pool, (n_size + kBlock - 1) / kBlock, [&](int64_t item) {
+    for (int64_t n = item * kBlock; n < std::min(n_size, (item + 1) * kBlock); ++n) {
+      if (bits == 8) NkRow<8>(xp, xe, xo, rows, k_size, q, s, o, group, n_size, n, yp);
+      else NkRow<4>(xp, xe, xo, rows, k_size, q, s, o, group, n_size, n, yp);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_pages [P, ps, 2Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table [S, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S+1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("logit_soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQuantizedMatmul, QuantizedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .Arg<ffi::AnyBuffer>()         // values i8|u8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets (or a dummy)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("transposed")
+                                  .Attr<int64_t>("has_offsets"));

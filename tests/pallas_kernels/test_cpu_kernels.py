@@ -1,0 +1,200 @@
+"""The C++ CPU kernels (`pallas_kernels.cpu`) against independent oracles: the dense float64
+attention oracle (batches with NaN in every unused page, slot and padding row) and NumPy
+float64 products with the dequantized weights."""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ragged_cases import dense_attention_oracle, make_case, random_lengths
+
+from engine.models import quant
+from engine.models.quant import QuantizedWeight, dequantize
+from engine.weights.quantize import quantize_int8, to_device
+from pallas_kernels import cpu
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.cpu import kernel_supports
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler to build the kernels")
+
+# (kind, (Hq, Hkv), D, page_size, window, cap): GQA ratios 1, 3, 8; head dims 64-256.
+CASES = [
+    ("decode", (9, 3), 64, 16, None, None),
+    ("decode", (8, 1), 128, 32, None, None),
+    ("mixed", (4, 4), 256, 16, None, None),
+    ("mixed", (9, 3), 64, 16, 24, None),
+    ("decode", (6, 2), 64, 64, 40, 30.0),
+    ("chunked", (16, 2), 128, 16, None, 5.0),
+]
+
+
+@pytest.mark.parametrize(("kind", "heads", "head_dim", "page_size", "window", "cap"), CASES)
+def test_attention_matches_dense_oracle(
+    kind: str,
+    heads: tuple[int, int],
+    head_dim: int,
+    page_size: int,
+    window: int | None,
+    cap: float | None,
+) -> None:
+    rng = np.random.default_rng(zlib.crc32(repr((kind, heads, head_dim, window)).encode()))
+    q_lens, kv_lens = random_lengths(rng, kind, num_seqs=7, max_context=300)
+    case = make_case(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=jnp.float32,
+        pad_tokens=5,
+        pad_seqs=2,
+        pages_per_seq=-(-max(kv_lens) // page_size) + 2,
+    )
+    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
+    assert kernel_supports(jnp.asarray(case.q), jnp.asarray(case.kv_pages), None)
+    scale = head_dim**-0.5
+    attend = jax.jit(
+        lambda *a: ragged_paged_attention(
+            *a, sm_scale=scale, sliding_window=window, logit_soft_cap=cap, impl="cpu"
+        )
+    )
+    got = case.real_rows(np.asarray(attend(*map(jnp.asarray, arrays))))
+    want = case.real_rows(dense_attention_oracle(case, scale, window, cap))
+    # float32 sums in another order than the float64 oracle; exp is a polynomial (~2e-7 rel).
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_rows_only_and_other_rows_zero() -> None:
+    # Sequence 0 decodes (1 row), sequence 1 prefills 3 rows: the kernel writes row 0 and
+    # leaves rows 1..3 and the padding row at zero for the reference's prefill to fill.
+    rng = np.random.default_rng(7)
+    case = make_case(
+        rng, q_lens=[1, 3], kv_lens=[20, 3], num_q_heads=2, num_kv_heads=1, head_dim=16,
+        page_size=8, dtype=jnp.float32, pad_tokens=1, pad_seqs=1, pages_per_seq=4,
+    )  # fmt: skip
+    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
+    out = np.asarray(
+        jax.jit(
+            lambda *a: cpu.decode_attention(
+                *a, sm_scale=0.25, sliding_window=None, logit_soft_cap=None
+            )
+        )(*map(jnp.asarray, arrays))
+    )
+    want = dense_attention_oracle(case, 0.25, None, None)
+    np.testing.assert_allclose(out[0], want[0], atol=1e-5)
+    assert not out[1:].any()
+
+
+def test_unsupported_cache_falls_back_to_the_reference() -> None:
+    rng = np.random.default_rng(3)
+    case = make_case(
+        rng,
+        q_lens=[1, 4],
+        kv_lens=[30, 9],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        page_size=8,
+        dtype=jnp.float32,
+        pad_tokens=2,
+        pad_seqs=0,
+        pages_per_seq=5,
+    )  # fmt: skip  (head_dim 8 is no multiple of 16: the kernel does not take it)
+    assert not kernel_supports(jnp.asarray(case.q), jnp.asarray(case.kv_pages), None)
+    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
+    got = np.asarray(ragged_paged_attention(*map(jnp.asarray, arrays), sm_scale=0.3, impl="cpu"))
+    want = dense_attention_oracle(case, 0.3, None, None)
+    np.testing.assert_allclose(case.real_rows(got), case.real_rows(want), atol=2e-5)
+
+
+def random_weight(
+    rng: np.random.Generator, shape: tuple[int, int], bits: int, group: int, axis: int
+) -> QuantizedWeight:
+    """A quantized weight of random values, group scales and (int4) offsets."""
+    values_shape = list(shape)
+    values_shape[axis] //= 8 // bits
+    scales_shape = list(shape)
+    scales_shape[axis] //= group
+    if bits == 8:
+        values = rng.integers(-127, 128, values_shape).astype(np.int8)
+    else:
+        values = rng.integers(0, 256, values_shape).astype(np.uint8)
+    scales = rng.uniform(0.001, 0.02, scales_shape).astype(np.float32)
+    offsets = rng.uniform(-0.1, 0.1, scales_shape).astype(np.float32) if bits == 4 else None
+    return QuantizedWeight(
+        jnp.asarray(values), jnp.asarray(scales), None if offsets is None else jnp.asarray(offsets),
+        bits, axis, "float32",
+    )  # fmt: skip
+
+
+# (bits, [In, Out] or [Out, In] shape, group, transposed): per-channel int8 (one group over In),
+# GGUF-style groups of 32, int4 with offsets, an output width that is not a whole 128-tile.
+PRODUCTS = [
+    (8, (576, 1536), 576, False),
+    (8, (1536, 576), 32, False),
+    (4, (576, 192), 32, False),
+    (4, (256, 640), 64, False),
+    (8, (1000, 576), 576, True),
+    (8, (300, 256), 32, True),
+    (4, (1000, 576), 32, True),
+]
+
+
+@pytest.mark.parametrize(("bits", "shape", "group", "transposed"), PRODUCTS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7])
+def test_quantized_matmul_matches_numpy(
+    bits: int, shape: tuple[int, int], group: int, transposed: bool, rows: int
+) -> None:
+    rng = np.random.default_rng(zlib.crc32(repr((bits, shape, group, transposed, rows)).encode()))
+    w = random_weight(rng, shape, bits, group, axis=1 if transposed else 0)
+    dense = np.asarray(dequantize(w), np.float64)
+    x = rng.standard_normal((rows, shape[1] if transposed else shape[0])).astype(np.float32)
+    want = x @ (dense.T if transposed else dense)
+    got = jax.jit(
+        lambda x: cpu.quantized_matmul(
+            x, w.values, w.scales, w.offsets, bits=bits, transposed=transposed
+        )
+    )(x)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_model_weights_take_the_kernel_on_cpu() -> None:
+    # wq-shaped [D, N, H] int8 per channel and an int4 embedding table, through quant.product as
+    # the model calls it: the kernel path (few rows) and the dequantized path (many) agree.
+    rng = np.random.default_rng(11)
+    float_wq = rng.standard_normal((576, 9, 64)).astype(np.float32) * 0.05
+    wq = to_device(quantize_int8(float_wq, axis=0), axis=0, dtype="float32")
+    matrix = quant.as_matrix(wq)
+    assert matrix.values.shape == (576, 576) and quant._kernel_takes(matrix, transposed=False)
+    table = random_weight(rng, (512, 576), 4, 32, axis=1)
+    for w, transposed in ((matrix, False), (table, True)):
+        dense = np.asarray(dequantize(w), np.float64)
+        product = jax.jit(functools.partial(quant.product, w=w, transposed=transposed))
+        for rows in (1, 5, quant.KERNEL_MAX_ROWS + 1):
+            x = rng.standard_normal((rows, 576)).astype(np.float32)
+            got = product(x)
+            want = x @ (dense.T if transposed else dense)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3)
+
+
+def test_lowering_for_other_platforms_drops_the_kernel() -> None:
+    # The product exports for TPU and CUDA (the dequantized branch): the CPU kernel is only
+    # lowered where it runs.
+    rng = np.random.default_rng(5)
+    w = random_weight(rng, (256, 128), 8, 256, axis=0)
+    fn = jax.jit(lambda x: quant.product(x, w, transposed=False))
+    x = jax.ShapeDtypeStruct((2, 256), jnp.float32)
+    for platform in ("tpu", "cuda"):
+        text = jax.export.export(fn, platforms=[platform])(x).mlir_module()
+        assert "xlaserve_quantized_matmul" not in text
+    # (An FFI target has no serialization guarantee: exporting it for CPU must be allowed.)
+    allow = [jax.export.DisabledSafetyCheck.custom_call("xlaserve_quantized_matmul")]
+    cpu_text = jax.export.export(fn, platforms=["cpu"], disabled_checks=allow)(x).mlir_module()
+    assert "xlaserve_quantized_matmul" in cpu_text
