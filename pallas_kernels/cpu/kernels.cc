@@ -161,65 +161,97 @@ struct AttentionShape {
   int64_t tokens, num_q_heads, head_dim, page_size, combined, table_width, num_slots;
 };
 
-// One sequence's single query row, one kv head: the G query heads that share it, keys
-// [first, kv_len), read through the page table. Online softmax in float32, 16 keys a block:
-// each key's K and V are loaded once for all G heads.
-void DecodeOneHead(const AttentionShape& d, const float* q, const float* kv_pages,
-                   const int32_t* table, int64_t first, int64_t kv_len, int64_t kv_head,
-                   float sm_scale, float soft_cap, float* out) {
-  const int64_t group = d.num_q_heads / (d.combined / 2), dim = d.head_dim;
-  const int64_t vectors = dim / kLanes;
-  F16 qs[kMaxGroup][kMaxDim / kLanes], acc[kMaxGroup][kMaxDim / kLanes] = {};
-  F16 partial[kMaxGroup][kKeyBlock], probs[kMaxGroup];
+// The online-softmax state of one kv head's G query heads.
+struct HeadState {
+  F16 q[kMaxGroup][kMaxDim / kLanes], acc[kMaxGroup][kMaxDim / kLanes];
   float m[kMaxGroup], l[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t v = 0; v < vectors; ++v)
-      qs[g][v] = Load(q + (kv_head * group + g) * dim + v * kLanes) * sm_scale;
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
+};
+
+// One 16-key block (n of them real, the rest repeats that are masked) into one head's state.
+void AttendBlock(HeadState& st, const float* const (&keys)[kKeyBlock], int64_t n, int64_t group,
+                 int64_t dim, float soft_cap) {
+  const int64_t vectors = dim / kLanes;
+  F16 partial[kMaxGroup][kKeyBlock], probs[kMaxGroup];
+  for (int64_t j = 0; j < kKeyBlock; ++j) {
+    F16 k[kMaxDim / kLanes];
+    for (int64_t v = 0; v < vectors; ++v) k[v] = Load(keys[j] + v * kLanes);
+    for (int64_t g = 0; g < group; ++g) {
+      F16 dot{};
+      for (int64_t v = 0; v < vectors; ++v) dot += st.q[g][v] * k[v];
+      partial[g][j] = dot;
+    }
   }
   const Mask lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const float* keys[kKeyBlock];
-  for (int64_t start = first; start < kv_len; start += kKeyBlock) {
-    const int64_t n = std::min<int64_t>(kKeyBlock, kv_len - start);
-    for (int64_t j = 0; j < kKeyBlock; ++j) {
-      const int64_t key = start + std::min<int64_t>(j, n - 1);  // lanes past n: masked below
-      const int64_t page = table[key / d.page_size], slot = page * d.page_size + key % d.page_size;
-      keys[j] = kv_pages + (slot * d.combined + 2 * kv_head) * dim;
-    }
-    for (int64_t j = 0; j < kKeyBlock; ++j) {
-      F16 k[kMaxDim / kLanes];
-      for (int64_t v = 0; v < vectors; ++v) k[v] = Load(keys[j] + v * kLanes);
-      for (int64_t g = 0; g < group; ++g) {
-        F16 dot{};
-        for (int64_t v = 0; v < vectors; ++v) dot += qs[g][v] * k[v];
-        partial[g][j] = dot;
-      }
-    }
-    const Mask valid = lane < static_cast<int32_t>(n);
-    for (int64_t g = 0; g < group; ++g) {
-      F16 scores = TransposeSum(partial[g]);
-      for (int i = 0; soft_cap > 0 && i < kLanes; ++i)
-        scores[i] = soft_cap * std::tanh(scores[i] / soft_cap);
-      scores = valid ? scores : F16{} - INFINITY;
-      const float new_max = std::max(m[g], Max(scores));
-      const float alpha = Exp(F16{} + (m[g] - new_max))[0];  // ~0 on the first block
-      probs[g] = valid ? Exp(scores - new_max) : F16{};
-      l[g] = l[g] * alpha + Sum(probs[g]);
-      m[g] = new_max;
-      for (int64_t v = 0; v < vectors; ++v) acc[g][v] *= alpha;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t v = 0; v < vectors; ++v) {
-        const F16 value = Load(keys[j] + dim + v * kLanes);
-        for (int64_t g = 0; g < group; ++g) acc[g][v] += probs[g][j] * value;
-      }
+  const Mask valid = lane < static_cast<int32_t>(n);
+  for (int64_t g = 0; g < group; ++g) {
+    F16 scores = TransposeSum(partial[g]);
+    for (int i = 0; soft_cap > 0 && i < kLanes; ++i)
+      scores[i] = soft_cap * std::tanh(scores[i] / soft_cap);
+    scores = valid ? scores : F16{} - INFINITY;
+    const float new_max = std::max(st.m[g], Max(scores));
+    const float alpha = Exp(F16{} + (st.m[g] - new_max))[0];  // ~0 on the first block
+    probs[g] = valid ? Exp(scores - new_max) : F16{};
+    st.l[g] = st.l[g] * alpha + Sum(probs[g]);
+    st.m[g] = new_max;
+    for (int64_t v = 0; v < vectors; ++v) st.acc[g][v] *= alpha;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t v = 0; v < vectors; ++v) {
+      const F16 value = Load(keys[j] + dim + v * kLanes);
+      for (int64_t g = 0; g < group; ++g) st.acc[g][v] += probs[g][j] * value;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = l[g] > 0 ? 1.0f / l[g] : 0.0f;
-    for (int64_t v = 0; v < vectors; ++v)
-      Store(out + (kv_head * group + g) * dim + v * kLanes, acc[g][v] * inv);
+}
+
+// One sequence's single query row, kv heads [h0, h1): keys [first, kv_len), 16 at a time,
+// read through the page table; within a block every head is done before the next block, so
+// the pages are swept in address order. Online softmax in float32.
+void DecodeHeads(const AttentionShape& d, const float* q, const float* kv_pages,
+                 const int32_t* table, int64_t first, int64_t kv_len, int64_t h0, int64_t h1,
+                 float sm_scale, float soft_cap, float* out) {
+  const int64_t group = d.num_q_heads / (d.combined / 2), dim = d.head_dim;
+  const int64_t vectors = dim / kLanes;
+  std::unique_ptr<HeadState[]> states(new HeadState[h1 - h0]);
+  for (int64_t h = h0; h < h1; ++h) {
+    HeadState& st = states[h - h0];
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t v = 0; v < vectors; ++v) {
+        st.q[g][v] = Load(q + (h * group + g) * dim + v * kLanes) * sm_scale;
+        st.acc[g][v] = F16{};
+      }
+      st.m[g] = -INFINITY;
+      st.l[g] = 0.0f;
+    }
+  }
+  const float* slots[kKeyBlock];  // each key's slot: its 2*Hkv combined heads
+  int64_t column = first / d.page_size, offset = first % d.page_size;  // of the next key
+  for (int64_t start = first; start < kv_len; start += kKeyBlock) {
+    const int64_t n = std::min<int64_t>(kKeyBlock, kv_len - start);
+    for (int64_t j = 0; j < n; ++j) {  // walk the page table without a division per key
+      slots[j] = kv_pages + (table[column] * d.page_size + offset) * d.combined * dim;
+      if (++offset == d.page_size) offset = 0, ++column;
+    }
+    for (int64_t j = n; j < kKeyBlock; ++j) slots[j] = slots[n - 1];  // masked lanes
+    // Ask for the next block's slots now: the hardware prefetcher stops at every 4 KiB page,
+    // which left the loads stalled on memory at a third of its bandwidth.
+    for (int64_t j = 0, c = column, o = offset; j < kKeyBlock && start + n + j < kv_len; ++j) {
+      const float* next = kv_pages + (table[c] * d.page_size + o) * d.combined * dim;
+      for (int64_t x = 2 * h0 * dim; x < 2 * h1 * dim; x += kLanes) __builtin_prefetch(next + x);
+      if (++o == d.page_size) o = 0, ++c;
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* keys[kKeyBlock];
+      for (int64_t j = 0; j < kKeyBlock; ++j) keys[j] = slots[j] + 2 * h * dim;
+      AttendBlock(states[h - h0], keys, n, group, dim, soft_cap);
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    const HeadState& st = states[h - h0];
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = st.l[g] > 0 ? 1.0f / st.l[g] : 0.0f;
+      for (int64_t v = 0; v < vectors; ++v)
+        Store(out + (h * group + g) * dim + v * kLanes, st.acc[g][v] * inv);
+    }
   }
 }
 
@@ -244,16 +276,19 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, d.num_slots);
   const int64_t kv_heads = d.combined / 2;
   const int64_t row_size = d.num_q_heads * d.head_dim;
-  ParallelFor(pool, seqs * kv_heads, [&](int64_t item) {
-    const int64_t seq = item / kv_heads, head = item % kv_heads;
+  // Whole sequences per work item when there are enough of them for every thread (the pages
+  // are then read in address order); otherwise one kv head each, so that a lone sequence still
+  // uses every thread.
+  const int64_t split = seqs >= 2 * pool.num_threads() ? 1 : kv_heads;
+  ParallelFor(pool, seqs * split, [&](int64_t item) {
+    const int64_t seq = item / split, h0 = item % split * kv_heads / split;
     const int64_t row = cu[seq], kv_len = lens[seq];
     if (cu[seq + 1] - row != 1 || row < 0 || row >= d.tokens || kv_len <= 0) return;
-    const int64_t max_len = d.table_width * d.page_size;
-    const int64_t len = std::min(kv_len, max_len);
+    const int64_t len = std::min(kv_len, d.table_width * d.page_size);
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-    DecodeOneHead(d, q.typed_data() + row * row_size, kv_pages.typed_data(),
-                  page_table.typed_data() + seq * d.table_width, first, len, head, sm_scale,
-                  logit_soft_cap, o + row * row_size);
+    DecodeHeads(d, q.typed_data() + row * row_size, kv_pages.typed_data(),
+                page_table.typed_data() + seq * d.table_width, first, len, h0,
+                h0 + kv_heads / split, sm_scale, logit_soft_cap, o + row * row_size);
   });
   return ffi::Error::Success();
 }
