@@ -203,54 +203,70 @@ void AttendBlock(HeadState& st, const float* const (&keys)[kKeyBlock], int64_t n
   }
 }
 
-// One sequence's single query row, kv heads [h0, h1): keys [first, kv_len), 16 at a time,
-// read through the page table; within a block every head is done before the next block, so
-// the pages are swept in address order. Online softmax in float32.
-void DecodeHeads(const AttentionShape& d, const float* q, const float* kv_pages,
-                 const int32_t* table, int64_t first, int64_t kv_len, int64_t h0, int64_t h1,
-                 float sm_scale, float soft_cap, float* out) {
+// Keys [k0, k1) of one sequence into the states of all its kv heads, 16 at a time, read
+// through the page table; within a block every head is done before the next block, so the
+// pages are swept in address order.
+void AttendRange(const AttentionShape& d, const float* kv_pages, const int32_t* table,
+                 int64_t k0, int64_t k1, float soft_cap, HeadState* states) {
   const int64_t group = d.num_q_heads / (d.combined / 2), dim = d.head_dim;
-  const int64_t vectors = dim / kLanes;
-  std::unique_ptr<HeadState[]> states(new HeadState[h1 - h0]);
-  for (int64_t h = h0; h < h1; ++h) {
-    HeadState& st = states[h - h0];
-    for (int64_t g = 0; g < group; ++g) {
-      for (int64_t v = 0; v < vectors; ++v) {
-        st.q[g][v] = Load(q + (h * group + g) * dim + v * kLanes) * sm_scale;
-        st.acc[g][v] = F16{};
-      }
-      st.m[g] = -INFINITY;
-      st.l[g] = 0.0f;
-    }
-  }
+  const int64_t kv_heads = d.combined / 2;
   const float* slots[kKeyBlock];  // each key's slot: its 2*Hkv combined heads
-  int64_t column = first / d.page_size, offset = first % d.page_size;  // of the next key
-  for (int64_t start = first; start < kv_len; start += kKeyBlock) {
-    const int64_t n = std::min<int64_t>(kKeyBlock, kv_len - start);
+  int64_t column = k0 / d.page_size, offset = k0 % d.page_size;  // of the next key
+  for (int64_t start = k0; start < k1; start += kKeyBlock) {
+    const int64_t n = std::min<int64_t>(kKeyBlock, k1 - start);
     for (int64_t j = 0; j < n; ++j) {  // walk the page table without a division per key
       slots[j] = kv_pages + (table[column] * d.page_size + offset) * d.combined * dim;
       if (++offset == d.page_size) offset = 0, ++column;
     }
     for (int64_t j = n; j < kKeyBlock; ++j) slots[j] = slots[n - 1];  // masked lanes
-    // Ask for the next block's slots now: the hardware prefetcher stops at every 4 KiB page,
-    // which left the loads stalled on memory at a third of its bandwidth.
-    for (int64_t j = 0, c = column, o = offset; j < kKeyBlock && start + n + j < kv_len; ++j) {
+    // Ask for the next block's slots now (the hardware prefetcher stops at every 4 KiB page).
+    for (int64_t j = 0, c = column, o = offset; j < kKeyBlock && start + n + j < k1; ++j) {
       const float* next = kv_pages + (table[c] * d.page_size + o) * d.combined * dim;
-      for (int64_t x = 2 * h0 * dim; x < 2 * h1 * dim; x += kLanes) __builtin_prefetch(next + x);
+      for (int64_t x = 0; x < d.combined * dim; x += kLanes) __builtin_prefetch(next + x);
       if (++o == d.page_size) o = 0, ++c;
     }
-    for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
       const float* keys[kKeyBlock];
       for (int64_t j = 0; j < kKeyBlock; ++j) keys[j] = slots[j] + 2 * h * dim;
-      AttendBlock(states[h - h0], keys, n, group, dim, soft_cap);
+      AttendBlock(states[h], keys, n, group, dim, soft_cap);
     }
   }
-  for (int64_t h = h0; h < h1; ++h) {
-    const HeadState& st = states[h - h0];
+}
+
+void InitStates(const AttentionShape& d, const float* q, float sm_scale, HeadState* states) {
+  const int64_t group = d.num_q_heads / (d.combined / 2), vectors = d.head_dim / kLanes;
+  for (int64_t h = 0; h < d.combined / 2; ++h) {
     for (int64_t g = 0; g < group; ++g) {
-      const float inv = st.l[g] > 0 ? 1.0f / st.l[g] : 0.0f;
+      for (int64_t v = 0; v < vectors; ++v) {
+        states[h].q[g][v] = Load(q + ((h * group + g) * vectors + v) * kLanes) * sm_scale;
+        states[h].acc[g][v] = F16{};
+      }
+      states[h].m[g] = -INFINITY;
+      states[h].l[g] = 0.0f;
+    }
+  }
+}
+
+// The output row of one sequence from the states of its `parts` key ranges (flash-decoding's
+// merge: each part's sums rescaled to the overall maximum).
+void FinishRow(const AttentionShape& d, const HeadState* states, int64_t parts, float* out) {
+  const int64_t kv_heads = d.combined / 2, group = d.num_q_heads / kv_heads;
+  const int64_t vectors = d.head_dim / kLanes;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t g = 0; g < group; ++g) {
+      float m = -INFINITY, l = 0.0f;
+      for (int64_t p = 0; p < parts; ++p) m = std::max(m, states[p * kv_heads + h].m[g]);
+      F16 acc[kMaxDim / kLanes] = {};
+      for (int64_t p = 0; p < parts; ++p) {
+        const HeadState& st = states[p * kv_heads + h];
+        if (st.l[g] == 0.0f) continue;  // an empty range
+        const float w = Exp(F16{} + (st.m[g] - m))[0];
+        l += st.l[g] * w;
+        for (int64_t v = 0; v < vectors; ++v) acc[v] += st.acc[g][v] * w;
+      }
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
       for (int64_t v = 0; v < vectors; ++v)
-        Store(out + (h * group + g) * dim + v * kLanes, st.acc[g][v] * inv);
+        Store(out + ((h * group + g) * vectors + v) * kLanes, acc[v] * inv);
     }
   }
 }
@@ -276,20 +292,30 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, d.num_slots);
   const int64_t kv_heads = d.combined / 2;
   const int64_t row_size = d.num_q_heads * d.head_dim;
-  // Whole sequences per work item when there are enough of them for every thread (the pages
-  // are then read in address order); otherwise one kv head each, so that a lone sequence still
-  // uses every thread.
-  const int64_t split = seqs >= 2 * pool.num_threads() ? 1 : kv_heads;
-  ParallelFor(pool, seqs * split, [&](int64_t item) {
-    const int64_t seq = item / split, h0 = item % split * kv_heads / split;
-    const int64_t row = cu[seq], kv_len = lens[seq];
-    if (cu[seq + 1] - row != 1 || row < 0 || row >= d.tokens || kv_len <= 0) return;
-    const int64_t len = std::min(kv_len, d.table_width * d.page_size);
+  // One work item per sequence when there are enough of them for every thread; otherwise each
+  // sequence's keys are cut into one range per thread and the ranges merged (flash-decoding),
+  // so that a lone sequence still uses every thread.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = seqs >= 2 * threads ? 1 : threads;
+  std::unique_ptr<HeadState[]> states(new HeadState[seqs * parts * kv_heads]);
+  const auto decodes = [&](int64_t seq) {
+    return cu[seq + 1] - cu[seq] == 1 && cu[seq] >= 0 && cu[seq] < d.tokens && lens[seq] > 0;
+  };
+  ParallelFor(pool, seqs * parts, [&](int64_t item) {
+    const int64_t seq = item / parts, part = item % parts;
+    if (!decodes(seq)) return;
+    const int64_t len = std::min<int64_t>(lens[seq], d.table_width * d.page_size);
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-    DecodeHeads(d, q.typed_data() + row * row_size, kv_pages.typed_data(),
-                page_table.typed_data() + seq * d.table_width, first, len, h0,
-                h0 + kv_heads / split, sm_scale, logit_soft_cap, o + row * row_size);
+    const int64_t step = ((len - first + parts - 1) / parts + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    const int64_t k0 = std::min(len, first + part * step), k1 = std::min(len, k0 + step);
+    HeadState* mine = states.get() + item * kv_heads;
+    InitStates(d, q.typed_data() + cu[seq] * row_size, sm_scale, mine);
+    AttendRange(d, kv_pages.typed_data(), page_table.typed_data() + seq * d.table_width, k0, k1,
+                logit_soft_cap, mine);
+    if (parts == 1) FinishRow(d, mine, 1, o + cu[seq] * row_size);
   });
+  for (int64_t seq = 0; parts > 1 && seq < seqs; ++seq)
+    if (decodes(seq)) FinishRow(d, states.get() + seq * parts * kv_heads, parts, o + cu[seq] * row_size);
   return ffi::Error::Success();
 }
 

@@ -71,6 +71,22 @@ def test_attention_matches_dense_oracle(
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(("kv_len", "window"), [(1, None), (37, None), (300, None), (300, 40)])
+def test_a_lone_sequence_splits_its_keys_over_the_threads(kv_len: int, window: int | None) -> None:
+    # Fewer sequences than twice the threads: each one's keys are cut into ranges whose softmax
+    # sums are merged afterwards (the path a single-stream decode takes).
+    rng = np.random.default_rng(kv_len)
+    case = make_case(
+        rng, q_lens=[1], kv_lens=[kv_len], num_q_heads=9, num_kv_heads=3, head_dim=64,
+        page_size=16, dtype=jnp.float32, pad_tokens=3, pad_seqs=1, pages_per_seq=20,
+    )  # fmt: skip
+    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
+    attend = functools.partial(ragged_paged_attention, sliding_window=window, impl="cpu")
+    got = np.asarray(jax.jit(attend, static_argnames="sm_scale")(*arrays, sm_scale=0.125))
+    want = dense_attention_oracle(case, 0.125, window, None)
+    np.testing.assert_allclose(case.real_rows(got), case.real_rows(want), atol=2e-5, rtol=2e-5)
+
+
 def test_decode_rows_only_and_other_rows_zero() -> None:
     # Sequence 0 decodes (1 row), sequence 1 prefills 3 rows: the kernel writes row 0 and
     # leaves rows 1..3 and the padding row at zero for the reference's prefill to fill.
