@@ -144,6 +144,9 @@ HEADER = (
 def cpu_workloads() -> list[Workload]:
     # One sequence at a typical chat depth: the per-call overhead of a batch-1 decode step.
     out = [Workload("decode 1x512 (smollm2)", (1,), (512,), HEADS["smollm2"], "float32")]
+    out.append(
+        Workload("decode 64x400 (smollm2)", (1,) * 64, (400,) * 64, HEADS["smollm2"], "float32")
+    )
     for model, heads in HEADS.items():
         for dtype in ("float32", "bfloat16"):
             out.append(Workload(f"decode 32x1024 ({model})", (1,) * 32, (1024,) * 32, heads, dtype))
@@ -152,9 +155,14 @@ def cpu_workloads() -> list[Workload]:
 
 
 def cpu_section(repeats: int) -> list[str]:
-    return [
-        row(w, "reference", time_attention(w, "reference", repeats), None) for w in cpu_workloads()
-    ]
+    """The reference for every workload; the C++ kernel ("cpu") too where it applies (float32
+    decodes: it runs the reference's prefill and takes no bf16 cache)."""
+    lines = []
+    for w in cpu_workloads():
+        kernel = max(w.q_lens) == 1 and w.dtype == "float32"
+        for impl in ("reference", "cpu") if kernel else ("reference",):
+            lines.append(row(w, impl, time_attention(w, impl, repeats), None))
+    return lines
 
 
 def hbm_peak_gbs(repeats: int, gib: int = 2) -> float:
