@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cc")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlaserve" / "cpu-kernels"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 TARGETS = {"xlaserve_decode_attention": "XlaserveDecodeAttention",
            "xlaserve_quantized_matmul": "XlaserveQuantizedMatmul"}  # fmt: skip
 
@@ -57,9 +57,10 @@ def build() -> Path:
     path = library_path()
     if path.exists():
         return path
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    name = os.environ.get("CXX", "g++")  # the usual variable for the C++ compiler
+    compiler = shutil.which(name)
     if compiler is None:
-        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+        raise RuntimeError(f"no C++ compiler {name!r} on PATH (set CXX to choose one)")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name

@@ -130,6 +130,13 @@ def test_unsupported_cache_falls_back_to_the_reference() -> None:
     np.testing.assert_allclose(case.real_rows(got), case.real_rows(want), atol=2e-5)
 
 
+def test_a_missing_compiler_is_named(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "CACHE", tmp_path)  # nothing built there yet
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler 'no-such-c\\+\\+' on PATH"):
+        cpu.build()
+
+
 def random_weight(
     rng: np.random.Generator, shape: tuple[int, int], bits: int, group: int, axis: int
 ) -> QuantizedWeight:
