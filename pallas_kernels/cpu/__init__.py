@@ -2,8 +2,9 @@
 
 XLA:CPU runs the reference attention's decode gathers and a one-row product with int8 or int4
 weights far below the memory bandwidth (shared/BASELINES.md, bench/RESULTS.md); these two
-kernels read each byte once. Each has a pure-jnp twin that is its oracle in the tests and the
-path on every other platform and wherever the library cannot be built.
+kernels read the cache pages and the integers where they lie. Each has a pure-jnp twin that is
+its oracle in the tests and the path on every other platform and wherever the library cannot
+be built.
 
 The library is compiled once per machine with the system's C++ compiler into
 ~/.cache/xlaserve/cpu-kernels/ (`make` does it at install: `python -m pallas_kernels.cpu`), keyed
@@ -127,7 +128,8 @@ def quantized_matmul(
 ) -> jax.Array:
     """x @ w (or x @ w.T when transposed) for w = values * scales + offsets in groups of G
     consecutive elements along K, 4-bit values two per byte along K (element 2j in the low
-    nibble of byte j); f32[T, N]. Reads the weights once per 4 rows of x."""
+    nibble of byte j); f32[T, N]. Reads the weights once per 2 rows of x (the [K, N] layout) or
+    per 4 (transposed). Shapes the kernel takes: `engine.models.quant._kernel_takes`."""
     n = values.shape[0] if transposed else values.shape[1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call("xlaserve_quantized_matmul", out, vmap_method="sequential")
