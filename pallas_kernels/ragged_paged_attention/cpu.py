@@ -3,7 +3,7 @@ with one query row, the reference for the multi-token ones.
 
 The reference's batched decode spends most of its time in XLA:CPU gathers and transposes; the
 kernel walks each sequence's pages in place (one layer of a 64-sequence decode at 400 keys:
-20-40 ms in the reference, ~4 ms in the kernel, on the 2-core machine; bench/kernels.py).
+9.9 ms in the reference, 4.9 ms in the kernel, on the 2-core machine; bench/RESULTS.md).
 Combinations the kernel does not take (a bf16 or quantized cache, head_dim not a multiple of 16
 or over 256, more than 8 query heads per kv head), or a machine where it could not be built,
 run the reference.
