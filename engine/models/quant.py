@@ -13,7 +13,7 @@ nibble of byte j, element 2j+1 in the high one).
 
 Device memory holds the quantized arrays. The model's products take them as they are
 (`product`: on CPU a C++ kernel reads the integers in place for decode-sized batches, otherwise
-XLA dequantizes inside the jitted step); `materialize` gives the float weight anywhere else.
+XLA dequantizes inside the jitted step); `dequantize` gives the float weight anywhere else.
 """
 
 from __future__ import annotations
@@ -94,11 +94,6 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     if w.offsets is not None:
         x = x + jnp.expand_dims(w.offsets, axis + 1)
     return x.reshape(q.shape).astype(jnp.dtype(w.dtype))
-
-
-def materialize(w: jax.Array | QuantizedWeight) -> jax.Array:
-    """A float weight as is; a quantized one dequantized (inside whatever jit calls this)."""
-    return dequantize(w) if isinstance(w, QuantizedWeight) else w
 
 
 def as_matrix(w: QuantizedWeight) -> QuantizedWeight:
