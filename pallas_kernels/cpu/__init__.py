@@ -1,8 +1,8 @@
 """CPU kernels in C++ (`kernels.cc`), called from jitted code through `jax.ffi`.
 
-XLA:CPU runs the reference attention's decode gathers and a one-row product with int8 or int4
-weights far below the memory bandwidth (shared/BASELINES.md, bench/RESULTS.md); these two
-kernels read the cache pages and the integers where they lie. Each has a pure-jnp twin that is
+XLA:CPU runs the reference attention's gathers and a one-row product with int8 or int4 weights
+far below the machine's speed (shared/BASELINES.md, bench/RESULTS.md); these two kernels read
+the cache pages and the integers where they lie. Each has a pure-jnp twin that is
 its oracle in the tests and the path on every other platform and wherever the library cannot
 be built.
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.cc")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlaserve" / "cpu-kernels"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
-TARGETS = {"xlaserve_decode_attention": "XlaserveDecodeAttention",
+TARGETS = {"xlaserve_ragged_attention": "XlaserveRaggedAttention",
            "xlaserve_quantized_matmul": "XlaserveQuantizedMatmul"}  # fmt: skip
 
 
@@ -87,7 +87,7 @@ def available() -> bool:
     return True
 
 
-def decode_attention(
+def ragged_attention(
     q: jax.Array,  # f32[T, Hq, D]
     kv_pages: jax.Array,  # f32[num_pages, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
@@ -99,11 +99,12 @@ def decode_attention(
     sliding_window: int | None,
     logit_soft_cap: float | None,
 ) -> jax.Array:
-    """Attention of every sequence with exactly one query row (a decode) over the paged cache,
-    in the contract of `pallas_kernels.ragged_paged_attention`; f32[T, Hq, D] with every other
-    row zero. Needs `available()`; head_dim <= 256 and Hq / Hkv <= 8."""
+    """Ragged paged attention over the paged cache in the contract of
+    `pallas_kernels.ragged_paged_attention` (decode, prefill and chunked-prefill rows alike, each
+    row over the keys up to its position); f32[T, Hq, D] with the padding rows zero. Needs
+    `available()`; head_dim 64, 128 or 256 and Hq / Hkv <= 8."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    call = jax.ffi.ffi_call("xlaserve_decode_attention", out, vmap_method="sequential")
+    call = jax.ffi.ffi_call("xlaserve_ragged_attention", out, vmap_method="sequential")
     return call(
         q,
         kv_pages,
@@ -145,4 +146,4 @@ def quantized_matmul(
     )
 
 
-__all__ = ["available", "build", "decode_attention", "quantized_matmul"]
+__all__ = ["available", "build", "quantized_matmul", "ragged_attention"]

@@ -1,12 +1,14 @@
 // CPU kernels for the parts of the step where XLA:CPU's generic code falls far short of the
-// memory bandwidth: decode attention over the paged cache, and products of a few activation
-// rows with int8/int4 weights. Registered with XLA through the FFI (see __init__.py); each has
-// a pure-jnp twin that is its test oracle and the path on every other platform.
+// machine: ragged attention over the paged cache (decode and prefill rows), and products of a
+// few activation rows with int8/int4 weights. Registered with XLA through the FFI (see
+// __init__.py); each has a pure-jnp twin that is its test oracle and the path on every other
+// platform.
 //
-// C++ with the compiler's vector extensions (16 float lanes, built -O3 -march=native; AVX-512
-// intrinsics only to widen bytes); work is split over XLA's own intra-op thread pool.
+// C++ with the compiler's vector extensions (8 or 16 float lanes, built -O3 -march=native;
+// AVX-512 intrinsics only to widen bytes); work is split over XLA's own intra-op thread pool.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +16,8 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -98,57 +102,68 @@ inline U8x16 LoadU8(const uint8_t* p) {
 
 // ---- decode attention -----------------------------------------------------------------------
 
-constexpr int kKeyBlock = kLanes;  // keys scored together: one score vector per query head
-constexpr int64_t kMaxDim = 256, kMaxGroup = 8;
-typedef int32_t Mask __attribute__((vector_size(64)));  // per lane: -1 true, 0 false
+// Attention works in 8 float lanes (one AVX2 register, half an AVX-512 one): with 16 lanes, GCC
+// turned the cross-lane shuffles below into scalar inserts on AVX2 machines (~3x slower there);
+// at 8 lanes they are plain in-register shuffles everywhere, and decode attention is bound by
+// memory more than by vector width.
+constexpr int kALanes = 8;
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));  // also a per-lane mask: -1 true, 0 false
 
-// out[j] = sum of the lanes of p[j]: a transposing tree of 15 adds instead of 16 reductions.
-inline F16 TransposeSum(const F16 (&p)[kKeyBlock]) {
-  F16 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)  // lanes 0-7: key 2i, 8-15: key 2i+1
-    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)  // 4 lanes for each of keys 4i..4i+3
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
-                                   19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
-                                   22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)  // 2 lanes for each of keys 8i..8i+7
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
-                                   21, 24, 25, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
-                                   22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
+inline F8 Load8(const float* p) {
+  F8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store8(float* p, F8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline F8 Splat(float x) { return F8{} + x; }
+
+inline float Sum8(F8 v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  return v[0] + v[1];
+}
+inline F8 Max(F8 a, F8 b) { return a > b ? a : b; }
+inline float Max8(F8 v) {
+  v = Max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = Max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  return std::max(v[0], v[1]);
+}
+
+constexpr int kKeyBlock = kALanes;  // keys scored together: one score vector per query head
+constexpr int64_t kMaxDim = 256, kMaxGroup = 8;
+
+// out[j] = sum of the lanes of p[j]: a transposing tree of 7 adds instead of 8 reductions.
+inline F8 TransposeSum(const F8 (&p)[kKeyBlock]) {
+  F8 a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-3: key 2i, 4-7: key 2i+1
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // 2 lanes for each of keys 4i..4i+3
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
 // exp(x) for x <= 0 in float32 (relative error ~2e-7): 2^n * e^r with |r| <= ln2/2 and a
 // degree-6 polynomial for e^r; x < -87 gives ~1e-38 (callers zero masked lanes themselves).
-inline F16 Exp(F16 x) {
-  const F16 low = F16{} - 87.0f, round = F16{} + 12582912.0f;  // 1.5 * 2^23: round to nearest
+inline F8 Exp(F8 x) {
+  const F8 low = Splat(-87.0f), round = Splat(12582912.0f);  // 1.5 * 2^23: round to nearest
   x = x < low ? low : x;
-  const F16 n = (x * 1.44269504f + round) - round;
-  const F16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  F16 p = F16{} + 1.0f / 720;
+  const F8 n = (x * 1.44269504f + round) - round;
+  const F8 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  F8 p = Splat(1.0f / 720);
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const I32x16 bits = (__builtin_convertvector(n, I32x16) + 127) << 23;
-  return p * reinterpret_cast<const F16&>(bits);
+  const I8 bits = (__builtin_convertvector(n, I8) + 127) << 23;
+  return p * reinterpret_cast<const F8&>(bits);
 }
-
-inline float Max(F16 v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
+inline float Exp(float x) { return Exp(Splat(x))[0]; }
 
 struct AttentionShape {
   int64_t tokens, num_q_heads, head_dim, page_size, combined, table_width, num_slots;
@@ -156,53 +171,84 @@ struct AttentionShape {
 
 // The online-softmax state of one kv head's G query heads.
 struct HeadState {
-  F16 q[kMaxGroup][kMaxDim / kLanes], acc[kMaxGroup][kMaxDim / kLanes];
+  F8 q[kMaxGroup][kMaxDim / kALanes], acc[kMaxGroup][kMaxDim / kALanes];
   float m[kMaxGroup], l[kMaxGroup];
 };
 
-// One 16-key block (n of them real, the rest repeats that are masked) into one head's state.
-void AttendBlock(HeadState& st, const float* const (&keys)[kKeyBlock], int64_t n, int64_t group,
-                 int64_t dim, float soft_cap) {
-  const int64_t vectors = dim / kLanes;
-  F16 partial[kMaxGroup][kKeyBlock], probs[kMaxGroup];
-  for (int64_t j = 0; j < kKeyBlock; ++j) {
-    F16 k[kMaxDim / kLanes];
-    for (int64_t v = 0; v < vectors; ++v) k[v] = Load(keys[j] + v * kLanes);
-    for (int64_t g = 0; g < group; ++g) {
-      F16 dot{};
-      for (int64_t v = 0; v < vectors; ++v) dot += st.q[g][v] * k[v];
+// One 8-key block (n of them real, the rest repeats that are masked) into one head's state,
+// for G query heads of D = V * 8. G and V are template arguments so that every loop below has
+// constant bounds and the running state lives in locals: with runtime bounds (and the state
+// behind a reference that the key pointers may alias) GCC kept reloading and storing it.
+template <int G, int V>
+void AttendBlock(HeadState& st, const float* const (&keys)[kKeyBlock], int64_t n,
+                 float soft_cap) {
+  F8 q[G][V], partial[G][kKeyBlock];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v) q[g][v] = st.q[g][v];
+  for (int j = 0; j < kKeyBlock; ++j) {
+    F8 k[V];
+    for (int v = 0; v < V; ++v) k[v] = Load8(keys[j] + v * kALanes);
+    for (int g = 0; g < G; ++g) {
+      F8 dot = q[g][0] * k[0];
+      for (int v = 1; v < V; ++v) dot += q[g][v] * k[v];
       partial[g][j] = dot;
     }
   }
-  const Mask lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const Mask valid = lane < static_cast<int32_t>(n);
-  for (int64_t g = 0; g < group; ++g) {
-    F16 scores = TransposeSum(partial[g]);
-    for (int i = 0; soft_cap > 0 && i < kLanes; ++i)
+  const I8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const I8 valid = lane < static_cast<int32_t>(n);
+  alignas(32) float probs[G][kKeyBlock];
+  float alpha[G];
+  for (int g = 0; g < G; ++g) {
+    F8 scores = TransposeSum(partial[g]);
+    for (int i = 0; soft_cap > 0 && i < kALanes; ++i)
       scores[i] = soft_cap * std::tanh(scores[i] / soft_cap);
-    scores = valid ? scores : F16{} - INFINITY;
-    const float new_max = std::max(st.m[g], Max(scores));
-    const float alpha = Exp(F16{} + (st.m[g] - new_max))[0];  // ~0 on the first block
-    probs[g] = valid ? Exp(scores - new_max) : F16{};
-    st.l[g] = st.l[g] * alpha + Sum(probs[g]);
+    scores = valid ? scores : Splat(-INFINITY);
+    const float new_max = std::max(st.m[g], Max8(scores));
+    alpha[g] = Exp(st.m[g] - new_max);  // ~0 on the first block
+    const F8 p = valid ? Exp(scores - new_max) : F8{};
+    Store8(probs[g], p);
+    st.l[g] = st.l[g] * alpha[g] + Sum8(p);
     st.m[g] = new_max;
-    for (int64_t v = 0; v < vectors; ++v) st.acc[g][v] *= alpha;
   }
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t v = 0; v < vectors; ++v) {
-      const F16 value = Load(keys[j] + dim + v * kLanes);
-      for (int64_t g = 0; g < group; ++g) st.acc[g][v] += probs[g][j] * value;
+  // One output vector at a time for all G heads, so the accumulators stay in registers.
+  for (int v = 0; v < V; ++v) {
+    F8 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = st.acc[g][v] * alpha[g];
+    for (int64_t j = 0; j < n; ++j) {
+      const F8 value = Load8(keys[j] + (V + v) * kALanes);
+      for (int g = 0; g < G; ++g) acc[g] += probs[g][j] * value;
     }
+    for (int g = 0; g < G; ++g) st.acc[g][v] = acc[g];
   }
 }
 
-// Keys [k0, k1) of one sequence into the states of all its kv heads, 16 at a time, read
-// through the page table; within a block every head is done before the next block, so the
-// pages are swept in address order.
-void AttendRange(const AttentionShape& d, const float* kv_pages, const int32_t* table,
-                 int64_t k0, int64_t k1, float soft_cap, HeadState* states) {
-  const int64_t group = d.num_q_heads / (d.combined / 2), dim = d.head_dim;
-  const int64_t kv_heads = d.combined / 2;
+using BlockFn = void (*)(HeadState&, const float* const (&)[kKeyBlock], int64_t, float);
+
+template <int V, int... Gs>
+constexpr std::array<BlockFn, sizeof...(Gs)> BlocksFor(std::integer_sequence<int, Gs...>) {
+  return {&AttendBlock<Gs + 1, V>...};
+}
+
+// The block function for `group` query heads per kv head and head_dim `dim` (64, 128 or 256),
+// or nullptr.
+BlockFn PickBlock(int64_t group, int64_t dim) {
+  static constexpr auto d64 = BlocksFor<64 / kALanes>(std::make_integer_sequence<int, kMaxGroup>{});
+  static constexpr auto d128 = BlocksFor<128 / kALanes>(std::make_integer_sequence<int, kMaxGroup>{});
+  static constexpr auto d256 = BlocksFor<256 / kALanes>(std::make_integer_sequence<int, kMaxGroup>{});
+  if (group < 1 || group > kMaxGroup) return nullptr;
+  if (dim == 64) return d64[group - 1];
+  if (dim == 128) return d128[group - 1];
+  if (dim == 256) return d256[group - 1];
+  return nullptr;
+}
+
+// Keys [k0, k1) of one sequence into the states of all its kv heads, 8 at a time, read through
+// the page table; within a block every head is done before the next block, so the pages are
+// swept in address order.
+void AttendRange(const AttentionShape& d, BlockFn block, const float* kv_pages,
+                 const int32_t* table, int64_t k0, int64_t k1, float soft_cap,
+                 HeadState* states) {
+  const int64_t dim = d.head_dim, kv_heads = d.combined / 2;
   const float* slots[kKeyBlock];  // each key's slot: its 2*Hkv combined heads
   int64_t column = k0 / d.page_size, offset = k0 % d.page_size;  // of the next key
   for (int64_t start = k0; start < k1; start += kKeyBlock) {
@@ -215,24 +261,24 @@ void AttendRange(const AttentionShape& d, const float* kv_pages, const int32_t* 
     // Ask for the next block's slots now (the hardware prefetcher stops at every 4 KiB page).
     for (int64_t j = 0, c = column, o = offset; j < kKeyBlock && start + n + j < k1; ++j) {
       const float* next = kv_pages + (table[c] * d.page_size + o) * d.combined * dim;
-      for (int64_t x = 0; x < d.combined * dim; x += kLanes) __builtin_prefetch(next + x);
+      for (int64_t x = 0; x < d.combined * dim; x += 16) __builtin_prefetch(next + x);
       if (++o == d.page_size) o = 0, ++c;
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
       const float* keys[kKeyBlock];
       for (int64_t j = 0; j < kKeyBlock; ++j) keys[j] = slots[j] + 2 * h * dim;
-      AttendBlock(states[h], keys, n, group, dim, soft_cap);
+      block(states[h], keys, n, soft_cap);
     }
   }
 }
 
 void InitStates(const AttentionShape& d, const float* q, float sm_scale, HeadState* states) {
-  const int64_t group = d.num_q_heads / (d.combined / 2), vectors = d.head_dim / kLanes;
+  const int64_t group = d.num_q_heads / (d.combined / 2), vectors = d.head_dim / kALanes;
   for (int64_t h = 0; h < d.combined / 2; ++h) {
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t v = 0; v < vectors; ++v) {
-        states[h].q[g][v] = Load(q + ((h * group + g) * vectors + v) * kLanes) * sm_scale;
-        states[h].acc[g][v] = F16{};
+        states[h].q[g][v] = Load8(q + ((h * group + g) * vectors + v) * kALanes) * sm_scale;
+        states[h].acc[g][v] = F8{};
       }
       states[h].m[g] = -INFINITY;
       states[h].l[g] = 0.0f;
@@ -244,27 +290,31 @@ void InitStates(const AttentionShape& d, const float* q, float sm_scale, HeadSta
 // merge: each part's sums rescaled to the overall maximum).
 void FinishRow(const AttentionShape& d, const HeadState* states, int64_t parts, float* out) {
   const int64_t kv_heads = d.combined / 2, group = d.num_q_heads / kv_heads;
-  const int64_t vectors = d.head_dim / kLanes;
+  const int64_t vectors = d.head_dim / kALanes;
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t g = 0; g < group; ++g) {
       float m = -INFINITY, l = 0.0f;
       for (int64_t p = 0; p < parts; ++p) m = std::max(m, states[p * kv_heads + h].m[g]);
-      F16 acc[kMaxDim / kLanes] = {};
+      F8 acc[kMaxDim / kALanes] = {};
       for (int64_t p = 0; p < parts; ++p) {
         const HeadState& st = states[p * kv_heads + h];
         if (st.l[g] == 0.0f) continue;  // an empty range
-        const float w = Exp(F16{} + (st.m[g] - m))[0];
+        const float w = Exp(st.m[g] - m);
         l += st.l[g] * w;
         for (int64_t v = 0; v < vectors; ++v) acc[v] += st.acc[g][v] * w;
       }
       const float inv = l > 0 ? 1.0f / l : 0.0f;
       for (int64_t v = 0; v < vectors; ++v)
-        Store(out + ((h * group + g) * vectors + v) * kLanes, acc[v] * inv);
+        Store8(out + ((h * group + g) * vectors + v) * kALanes, acc[v] * inv);
     }
   }
 }
 
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+// Every query row of the ragged batch: row t of sequence s sits at position
+// kv_len - q_len + (t - cu_q_lens[s]) and sees the keys up to it (within the window), so a
+// decode and each row of a prefill chunk are the same work item. Rows past the real sequences
+// are zero.
+ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::F32> kv_pages, ffi::Buffer<ffi::S32> kv_lens,
                                ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
                                ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
@@ -273,42 +323,51 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const AttentionShape d{qd[0], qd[1], qd[2], kd[1], kd[2], page_table.dimensions()[1],
                          kv_lens.dimensions()[0]};
   const int64_t group = d.num_q_heads / (d.combined / 2);
-  if (d.head_dim > kMaxDim || d.head_dim % kLanes != 0 || group > kMaxGroup ||
-      kd[3] != d.head_dim) {
-    return ffi::Error::InvalidArgument(
-        "decode attention: head_dim a multiple of 16 up to 256, Hq/Hkv <= 8");
+  const BlockFn block = PickBlock(group, d.head_dim);
+  if (block == nullptr || kd[3] != d.head_dim) {
+    return ffi::Error::InvalidArgument("ragged attention: head_dim 64, 128 or 256, Hq/Hkv <= 8");
   }
   float* o = out->typed_data();
   std::memset(o, 0, sizeof(float) * d.tokens * d.num_q_heads * d.head_dim);
   const int32_t* lens = kv_lens.typed_data();
   const int32_t* cu = cu_q_lens.typed_data();
   const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, d.num_slots);
-  const int64_t kv_heads = d.combined / 2;
-  const int64_t row_size = d.num_q_heads * d.head_dim;
-  // One work item per sequence when there are enough of them for every thread; otherwise each
-  // sequence's keys are cut into one range per thread and the ranges merged (flash-decoding),
-  // so that a lone sequence still uses every thread.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = seqs >= 2 * threads ? 1 : threads;
-  std::unique_ptr<HeadState[]> states(new HeadState[seqs * parts * kv_heads]);
-  const auto decodes = [&](int64_t seq) {
-    return cu[seq + 1] - cu[seq] == 1 && cu[seq] >= 0 && cu[seq] < d.tokens && lens[seq] > 0;
+  const int64_t kv_heads = d.combined / 2, row_size = d.num_q_heads * d.head_dim;
+  struct Row {
+    int64_t row, seq, len;  // len: the keys this row sees, up to and including its own
   };
-  ParallelFor(pool, seqs * parts, [&](int64_t item) {
-    const int64_t seq = item / parts, part = item % parts;
-    if (!decodes(seq)) return;
-    const int64_t len = std::min<int64_t>(lens[seq], d.table_width * d.page_size);
-    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-    const int64_t step = ((len - first + parts - 1) / parts + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-    const int64_t k0 = std::min(len, first + part * step), k1 = std::min(len, k0 + step);
-    HeadState* mine = states.get() + item * kv_heads;
-    InitStates(d, q.typed_data() + cu[seq] * row_size, sm_scale, mine);
-    AttendRange(d, kv_pages.typed_data(), page_table.typed_data() + seq * d.table_width, k0, k1,
-                logit_soft_cap, mine);
-    if (parts == 1) FinishRow(d, mine, 1, o + cu[seq] * row_size);
+  std::vector<Row> rows;
+  for (int64_t seq = 0; seq < seqs; ++seq) {
+    const int64_t begin = std::max<int64_t>(cu[seq], 0), end = std::min<int64_t>(cu[seq + 1], d.tokens);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t len = std::min<int64_t>(lens[seq] - (cu[seq + 1] - t) + 1,
+                                            d.table_width * d.page_size);
+      if (len > 0) rows.push_back({t, seq, len});
+    }
+  }
+  // One work item per row when there are enough of them for every thread; otherwise each row's
+  // keys are cut into one range per thread and the ranges merged (flash-decoding), so that a
+  // lone decoding sequence still uses every thread.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t num_rows = static_cast<int64_t>(rows.size());
+  const int64_t parts = num_rows >= 2 * threads ? 1 : threads;
+  std::unique_ptr<HeadState[]> split(parts > 1 ? new HeadState[num_rows * parts * kv_heads] : nullptr);
+  ParallelFor(pool, num_rows * parts, [&](int64_t item) {
+    const Row& r = rows[item / parts];
+    const int64_t part = item % parts;
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, r.len - sliding_window) : 0;
+    const int64_t step = ((r.len - first + parts - 1) / parts + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    const int64_t k0 = std::min(r.len, first + part * step), k1 = std::min(r.len, k0 + step);
+    thread_local std::vector<HeadState> scratch;
+    if (parts == 1 && static_cast<int64_t>(scratch.size()) < kv_heads) scratch.resize(kv_heads);
+    HeadState* mine = parts == 1 ? scratch.data() : split.get() + item * kv_heads;
+    InitStates(d, q.typed_data() + r.row * row_size, sm_scale, mine);
+    AttendRange(d, block, kv_pages.typed_data(), page_table.typed_data() + r.seq * d.table_width,
+                k0, k1, logit_soft_cap, mine);
+    if (parts == 1) FinishRow(d, mine, 1, o + r.row * row_size);
   });
-  for (int64_t seq = 0; parts > 1 && seq < seqs; ++seq)
-    if (decodes(seq)) FinishRow(d, states.get() + seq * parts * kv_heads, parts, o + cu[seq] * row_size);
+  for (int64_t i = 0; parts > 1 && i < num_rows; ++i)
+    FinishRow(d, split.get() + i * parts * kv_heads, parts, o + rows[i].row * row_size);
   return ffi::Error::Success();
 }
 
@@ -473,7 +532,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeAttention, DecodeAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveRaggedAttention, RaggedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]

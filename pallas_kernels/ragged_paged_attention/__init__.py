@@ -16,7 +16,7 @@ The contract every implementation follows:
 - Only T, S and P are static; lengths and the prefill/decode mix are runtime arrays.
 
 `impl=None` picks by platform: TPU -> the Mosaic TPU kernel, GPU -> the GPU kernel, CPU -> the
-C++ decode kernel with the reference's prefill (`cpu.py`).
+C++ kernel (`cpu.py`, with the reference for what it does not take).
 The kernel modules are imported only when chosen, so the reference runs anywhere.
 """
 

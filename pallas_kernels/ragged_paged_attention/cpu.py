@@ -1,12 +1,12 @@
-"""Ragged paged attention on CPU: the C++ decode kernel (`pallas_kernels.cpu`) for sequences
-with one query row, the reference for the multi-token ones.
+"""Ragged paged attention on CPU: the C++ kernel (`pallas_kernels.cpu`) for every row, decode
+and prefill alike.
 
-The reference's batched decode spends most of its time in XLA:CPU gathers and transposes; the
-kernel walks each sequence's pages in place (one layer of a 64-sequence decode at 400 keys:
-9.9 ms in the reference, 4.9 ms in the kernel, on the 2-core machine; bench/RESULTS.md).
-Combinations the kernel does not take (a bf16 or quantized cache, head_dim not a multiple of 16
-or over 256, more than 8 query heads per kv head), or a machine where it could not be built,
-run the reference.
+The reference spends most of its time in XLA:CPU gathers, transposes and masks; the kernel walks
+each row's pages in place. Measured on the 2-core AVX2 machine (SmolLM2 shapes, 30 layers):
+64 decodes at ~330 keys 336 ms in the reference, 106 ms in the kernel; bench/RESULTS.md.
+Combinations the kernel does not take (a bf16 or quantized cache, a head_dim other than 64, 128
+or 256, more than 8 query heads per kv head), or a machine where it could not be built, run the
+reference.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pallas_kernels import cpu
 from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.reference import check_supported
 
-MAX_HEAD_DIM, MAX_GROUP = 256, 8
+HEAD_DIMS, MAX_GROUP = (64, 128, 256), 8  # the kernel is compiled for these
 
 
 def kernel_supports(q: jax.Array, kv_pages: jax.Array, kv_scales: jax.Array | None) -> bool:
@@ -26,8 +26,7 @@ def kernel_supports(q: jax.Array, kv_pages: jax.Array, kv_scales: jax.Array | No
     return (
         kv_scales is None
         and q.dtype == kv_pages.dtype == jnp.float32
-        and head_dim % 16 == 0
-        and head_dim <= MAX_HEAD_DIM
+        and head_dim in HEAD_DIMS
         and group <= MAX_GROUP
         and cpu.available()
     )
@@ -56,12 +55,8 @@ def ragged_paged_attention_cpu(
             logit_soft_cap=logit_soft_cap,
             kv_scales=kv_scales,
         )
-    with jax.named_scope("decode"):
-        out = cpu.decode_attention(
-            *args, sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap
-        )
-    return reference.multi_token_rows(
-        out, *args, sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap
+    return cpu.ragged_attention(
+        *args, sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap
     )
 
 

@@ -361,7 +361,7 @@ def _pages_per_block(tokens: int, page_size: int, width: int) -> int:
     return min(max(1, tokens // page_size), width)
 
 
-def multi_token_rows(
+def _multi_token_rows(
     out: jax.Array,  # f32[T, Hq, D]
     q: jax.Array,
     kv_pages: jax.Array,
@@ -377,9 +377,8 @@ def multi_token_rows(
     kv_block: int | None = None,
     kv_scales: jax.Array | None = None,
 ) -> jax.Array:
-    """The reference's rows of every sequence with more than one query (prefill, chunked
-    prefill) written into `out`, other rows left as they are: for a backend that does the
-    decode rows itself (`pallas_kernels.ragged_paged_attention.cpu`)."""
+    """The rows of every sequence with more than one query (prefill, chunked prefill) written
+    into `out`, other rows left as they are."""
     if kv_block is None:
         kv_block = SCORE_BLOCK_BYTES // (q.shape[1] * q_block * 4)
     kv_lens, page_table, cu_q_lens, num_seqs = _normalized(kv_lens, page_table, cu_q_lens, num_seqs)
@@ -432,7 +431,7 @@ def _ragged_paged_attention(
             block_pages=_pages_per_block(decode_kv_block, kv_pages.shape[1], page_table.shape[1]),
             kv_scales=kv_scales,
         )
-    out = multi_token_rows(
+    out = _multi_token_rows(
         out,
         *args,
         sm_scale=sm_scale,
@@ -519,6 +518,5 @@ def ragged_paged_attention_reference(
 __all__ = [
     "check_inputs",
     "check_supported",
-    "multi_token_rows",
     "ragged_paged_attention_reference",
 ]
