@@ -2,13 +2,19 @@
 same model, machine and prompts, in one run.
 
     .venv/bin/python bench/throughput.py [--num-prompts 256] [--input-len 128:512]
-        [--output-len 128] [--dtype float32|bfloat16] [--hf-batch-size 16] [--skip-hf]
+        [--output-len 128] [--max-num-seqs 128] [--max-num-batched-tokens 512]
+        [--kv-cache-memory 4GiB] [--dtype float32|bfloat16] [--hf-batch-size 16] [--skip-hf]
         [--write-results]
 
 Prompts are random token ids (fixed seed) with lengths drawn from --input-len; every request
 generates exactly --output-len tokens (EOS ignored), greedy. Also measures single-stream decode
 (one request, 512-token prompt) against the bandwidth floor: weight bytes read once per token at
 the machine's measured read bandwidth. Both systems run in --dtype.
+
+The engine's defaults here are for throughput: 128 sequences at once (vLLM's default is 256),
+and a KV cache that holds all of them at full length (128 x 640 tokens of SmolLM2 are ~3.5 GiB
+in float32), so that nothing is preempted; 512 tokens a step keep chunked prefill riding along
+with the decodes.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
 from engine.tokenizer import load_tokenizer
 from engine.weights import open_checkpoint, param_count, resolve_model
-from serving.cli import DEFAULT_CACHE_DIR
+from serving.cli import DEFAULT_CACHE_DIR, parse_bytes
 
 TITLE = "Offline throughput (bench/throughput.py)"
 
@@ -126,8 +132,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", default="128:512", help="fixed N or a range LOW:HIGH")
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("4GiB"))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true")
@@ -143,7 +150,7 @@ def main() -> None:
         checkpoint.cfg,
         params,
         load_tokenizer(checkpoint.files.path),
-        cache_config=CacheConfig(page_size=16),
+        cache_config=CacheConfig(page_size=16, memory_bytes=args.kv_cache_memory),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -152,6 +159,7 @@ def main() -> None:
     )
     prompts = make_prompts(args.num_prompts, lengths, checkpoint.cfg.vocab_size)
     results = [run_xlaserve(engine, prompts, args.output_len, args.dtype)]
+    preemptions = engine.scheduler.num_preemptions
     decode = single_stream_decode(engine, min(args.output_len, 64))
     if not args.skip_hf:
         results.append(
@@ -169,6 +177,9 @@ def main() -> None:
         f"- model: {args.model}, {args.dtype} weights ({weight_bytes / 1e6:.0f} MB)",
         f"- workload: {args.num_prompts} prompts of {args.input_len} tokens, "
         f"{args.output_len} output tokens each, greedy, EOS ignored",
+        f"- xlaserve: --max-num-seqs {args.max_num_seqs}, --max-num-batched-tokens "
+        f"{args.max_num_batched_tokens}, KV cache {engine.runner.num_pages} pages of 16 tokens "
+        f"({args.kv_cache_memory / 2**30:.1f} GiB); {preemptions} preemptions",
         "",
         "| system | requests | seconds | requests/s | output tokens/s |",
         "|---|---|---|---|---|",

@@ -175,66 +175,88 @@ struct HeadState {
   float m[kMaxGroup], l[kMaxGroup];
 };
 
-// One 8-key block (n of them real, the rest repeats that are masked) into one head's state,
-// for G query heads of D = V * 8. G and V are template arguments so that every loop below has
-// constant bounds and the running state lives in locals: with runtime bounds (and the state
-// behind a reference that the key pointers may alias) GCC kept reloading and storing it.
-template <int G, int V>
-void AttendBlock(HeadState& st, const float* const (&keys)[kKeyBlock], int64_t n,
-                 float soft_cap) {
-  F8 q[G][V], partial[G][kKeyBlock];
-  for (int g = 0; g < G; ++g)
-    for (int v = 0; v < V; ++v) q[g][v] = st.q[g][v];
+// One 8-key block into the states of R query rows of one kv head (G query heads each, D = 8V):
+// row r takes the keys in lanes [lo[r], hi[r]) (its causal end and window start; the other
+// lanes are masked, and a row with none is left as it is). Rows of one prefill chunk share the
+// block's K and V loads. G, V and R are template arguments so that every loop below has
+// constant bounds and the state lives in locals: with runtime bounds (and the state behind a
+// pointer that the key pointers may alias) GCC kept reloading and storing it.
+template <int G, int V, int R>
+void AttendBlock(HeadState* const (&st)[R], const float* const (&keys)[kKeyBlock],
+                 const int (&lo)[R], const int (&hi)[R], float soft_cap) {
+  F8 partial[R][G][kKeyBlock];
   for (int j = 0; j < kKeyBlock; ++j) {
     F8 k[V];
     for (int v = 0; v < V; ++v) k[v] = Load8(keys[j] + v * kALanes);
-    for (int g = 0; g < G; ++g) {
-      F8 dot = q[g][0] * k[0];
-      for (int v = 1; v < V; ++v) dot += q[g][v] * k[v];
-      partial[g][j] = dot;
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < G; ++g) {
+        F8 dot = st[r]->q[g][0] * k[0];
+        for (int v = 1; v < V; ++v) dot += st[r]->q[g][v] * k[v];
+        partial[r][g][j] = dot;
+      }
     }
   }
   const I8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-  const I8 valid = lane < static_cast<int32_t>(n);
-  alignas(32) float probs[G][kKeyBlock];
-  float alpha[G];
-  for (int g = 0; g < G; ++g) {
-    F8 scores = TransposeSum(partial[g]);
-    for (int i = 0; soft_cap > 0 && i < kALanes; ++i)
-      scores[i] = soft_cap * std::tanh(scores[i] / soft_cap);
-    scores = valid ? scores : Splat(-INFINITY);
-    const float new_max = std::max(st.m[g], Max8(scores));
-    alpha[g] = Exp(st.m[g] - new_max);  // ~0 on the first block
-    const F8 p = valid ? Exp(scores - new_max) : F8{};
-    Store8(probs[g], p);
-    st.l[g] = st.l[g] * alpha[g] + Sum8(p);
-    st.m[g] = new_max;
-  }
-  // One output vector at a time for all G heads, so the accumulators stay in registers.
-  for (int v = 0; v < V; ++v) {
-    F8 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = st.acc[g][v] * alpha[g];
-    for (int64_t j = 0; j < n; ++j) {
-      const F8 value = Load8(keys[j] + (V + v) * kALanes);
-      for (int g = 0; g < G; ++g) acc[g] += probs[g][j] * value;
+  alignas(32) float probs[R][G][kKeyBlock];
+  float alpha[R][G];
+  for (int r = 0; r < R; ++r) {
+    const I8 valid = (lane >= lo[r]) & (lane < hi[r]);
+    for (int g = 0; g < G; ++g) {
+      if (lo[r] >= hi[r]) {  // no key of this block for this row
+        alpha[r][g] = 1.0f;
+        Store8(probs[r][g], F8{});
+        continue;
+      }
+      F8 scores = TransposeSum(partial[r][g]);
+      for (int i = 0; soft_cap > 0 && i < kALanes; ++i)
+        scores[i] = soft_cap * std::tanh(scores[i] / soft_cap);
+      scores = valid ? scores : Splat(-INFINITY);
+      HeadState& s = *st[r];
+      const float new_max = std::max(s.m[g], Max8(scores));
+      alpha[r][g] = Exp(s.m[g] - new_max);  // ~0 on the row's first block
+      const F8 p = valid ? Exp(scores - new_max) : F8{};
+      Store8(probs[r][g], p);
+      s.l[g] = s.l[g] * alpha[r][g] + Sum8(p);
+      s.m[g] = new_max;
     }
-    for (int g = 0; g < G; ++g) st.acc[g][v] = acc[g];
+  }
+  // One output vector at a time for all rows and heads, so the accumulators stay in registers.
+  int last = 0;  // lanes past every row's end are not read
+  for (int r = 0; r < R; ++r) last = std::max(last, hi[r]);
+  for (int v = 0; v < V; ++v) {
+    F8 acc[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) acc[r][g] = st[r]->acc[g][v] * alpha[r][g];
+    for (int j = 0; j < last; ++j) {
+      const F8 value = Load8(keys[j] + (V + v) * kALanes);
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g] += probs[r][g][j] * value;
+    }
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) st[r]->acc[g][v] = acc[r][g];
   }
 }
 
-using BlockFn = void (*)(HeadState&, const float* const (&)[kKeyBlock], int64_t, float);
+// Consecutive query rows of one prefill chunk attended together (a decode row goes alone).
+constexpr int kRowBlock = 4;
 
-template <int V, int... Gs>
-constexpr std::array<BlockFn, sizeof...(Gs)> BlocksFor(std::integer_sequence<int, Gs...>) {
-  return {&AttendBlock<Gs + 1, V>...};
+template <int R>
+using BlockFn = void (*)(HeadState* const (&)[R], const float* const (&)[kKeyBlock],
+                         const int (&)[R], const int (&)[R], float);
+
+template <int R, int V, int... Gs>
+constexpr std::array<BlockFn<R>, sizeof...(Gs)> BlocksFor(std::integer_sequence<int, Gs...>) {
+  return {&AttendBlock<Gs + 1, V, R>...};
 }
 
 // The block function for `group` query heads per kv head and head_dim `dim` (64, 128 or 256),
 // or nullptr.
-BlockFn PickBlock(int64_t group, int64_t dim) {
-  static constexpr auto d64 = BlocksFor<64 / kALanes>(std::make_integer_sequence<int, kMaxGroup>{});
-  static constexpr auto d128 = BlocksFor<128 / kALanes>(std::make_integer_sequence<int, kMaxGroup>{});
-  static constexpr auto d256 = BlocksFor<256 / kALanes>(std::make_integer_sequence<int, kMaxGroup>{});
+template <int R>
+BlockFn<R> PickBlock(int64_t group, int64_t dim) {
+  using Groups = std::make_integer_sequence<int, kMaxGroup>;
+  static constexpr auto d64 = BlocksFor<R, 64 / kALanes>(Groups{});
+  static constexpr auto d128 = BlocksFor<R, 128 / kALanes>(Groups{});
+  static constexpr auto d256 = BlocksFor<R, 256 / kALanes>(Groups{});
   if (group < 1 || group > kMaxGroup) return nullptr;
   if (dim == 64) return d64[group - 1];
   if (dim == 128) return d128[group - 1];
@@ -242,13 +264,15 @@ BlockFn PickBlock(int64_t group, int64_t dim) {
   return nullptr;
 }
 
-// Keys [k0, k1) of one sequence into the states of all its kv heads, 8 at a time, read through
-// the page table; within a block every head is done before the next block, so the pages are
-// swept in address order.
-void AttendRange(const AttentionShape& d, BlockFn block, const float* kv_pages,
-                 const int32_t* table, int64_t k0, int64_t k1, float soft_cap,
-                 HeadState* states) {
+// Keys [first[r], end[r]) of one sequence into the states of R rows (each row's kv heads at
+// states[r], kv_heads of them), 8 keys at a time, read through the page table; within a block
+// every head is done before the next block, so the pages are swept in address order.
+template <int R>
+void AttendRange(const AttentionShape& d, BlockFn<R> block, const float* kv_pages,
+                 const int32_t* table, const int64_t (&first)[R], const int64_t (&end)[R],
+                 float soft_cap, HeadState* const (&states)[R]) {
   const int64_t dim = d.head_dim, kv_heads = d.combined / 2;
+  const int64_t k0 = *std::min_element(first, first + R), k1 = *std::max_element(end, end + R);
   const float* slots[kKeyBlock];  // each key's slot: its 2*Hkv combined heads
   int64_t column = k0 / d.page_size, offset = k0 % d.page_size;  // of the next key
   for (int64_t start = k0; start < k1; start += kKeyBlock) {
@@ -258,16 +282,19 @@ void AttendRange(const AttentionShape& d, BlockFn block, const float* kv_pages,
       if (++offset == d.page_size) offset = 0, ++column;
     }
     for (int64_t j = n; j < kKeyBlock; ++j) slots[j] = slots[n - 1];  // masked lanes
-    // Ask for the next block's slots now (the hardware prefetcher stops at every 4 KiB page).
-    for (int64_t j = 0, c = column, o = offset; j < kKeyBlock && start + n + j < k1; ++j) {
-      const float* next = kv_pages + (table[c] * d.page_size + o) * d.combined * dim;
-      for (int64_t x = 0; x < d.combined * dim; x += 16) __builtin_prefetch(next + x);
-      if (++o == d.page_size) o = 0, ++c;
+    // No software prefetch: asking for the next block's slots (all heads) made 64 decodes at
+    // 336 keys 1.5x slower on the AVX2 machine, the hardware prefetchers keep up alone.
+    int lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      lo[r] = static_cast<int>(std::clamp<int64_t>(first[r] - start, 0, kKeyBlock));
+      hi[r] = static_cast<int>(std::clamp<int64_t>(end[r] - start, 0, kKeyBlock));
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
       const float* keys[kKeyBlock];
       for (int64_t j = 0; j < kKeyBlock; ++j) keys[j] = slots[j] + 2 * h * dim;
-      block(states[h], keys, n, soft_cap);
+      HeadState* heads[R];
+      for (int r = 0; r < R; ++r) heads[r] = states[r] + h;
+      block(heads, keys, lo, hi, soft_cap);
     }
   }
 }
@@ -323,8 +350,9 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const AttentionShape d{qd[0], qd[1], qd[2], kd[1], kd[2], page_table.dimensions()[1],
                          kv_lens.dimensions()[0]};
   const int64_t group = d.num_q_heads / (d.combined / 2);
-  const BlockFn block = PickBlock(group, d.head_dim);
-  if (block == nullptr || kd[3] != d.head_dim) {
+  const BlockFn<1> single = PickBlock<1>(group, d.head_dim);
+  const BlockFn<kRowBlock> multi = PickBlock<kRowBlock>(group, d.head_dim);
+  if (single == nullptr || kd[3] != d.head_dim) {
     return ffi::Error::InvalidArgument("ragged attention: head_dim 64, 128 or 256, Hq/Hkv <= 8");
   }
   float* o = out->typed_data();
@@ -333,40 +361,83 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t* cu = cu_q_lens.typed_data();
   const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, d.num_slots);
   const int64_t kv_heads = d.combined / 2, row_size = d.num_q_heads * d.head_dim;
-  struct Row {
-    int64_t row, seq, len;  // len: the keys this row sees, up to and including its own
+  const int64_t max_len = d.table_width * d.page_size;
+  // A work item: up to kRowBlock consecutive rows of one sequence (`rows` of them from `row`,
+  // the first seeing `len` keys, each next one a key more).
+  struct Item {
+    int64_t row, seq, len, rows;
   };
-  std::vector<Row> rows;
+  std::vector<Item> items;
+  int64_t num_rows = 0;
   for (int64_t seq = 0; seq < seqs; ++seq) {
-    const int64_t begin = std::max<int64_t>(cu[seq], 0), end = std::min<int64_t>(cu[seq + 1], d.tokens);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t len = std::min<int64_t>(lens[seq] - (cu[seq + 1] - t) + 1,
-                                            d.table_width * d.page_size);
-      if (len > 0) rows.push_back({t, seq, len});
+    const int64_t begin = std::max<int64_t>(cu[seq], 0);
+    const int64_t end = std::min<int64_t>(cu[seq + 1], d.tokens);
+    for (int64_t t = begin; t < end; t += kRowBlock) {
+      const int64_t len = lens[seq] - (cu[seq + 1] - t) + 1;  // keys up to row t's position
+      const int64_t rows = std::min<int64_t>(kRowBlock, end - t);
+      if (len + rows - 1 <= 0 || len > max_len) continue;  // inconsistent metadata: left zero
+      items.push_back({t, seq, len, rows});
+      num_rows += rows;
     }
   }
-  // One work item per row when there are enough of them for every thread; otherwise each row's
-  // keys are cut into one range per thread and the ranges merged (flash-decoding), so that a
-  // lone decoding sequence still uses every thread.
+  // With enough rows for every thread, one work item per block of rows; otherwise one per row,
+  // each row's keys cut into one range per thread and the ranges merged (flash-decoding), so
+  // that a lone decoding sequence still uses every thread.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t num_rows = static_cast<int64_t>(rows.size());
   const int64_t parts = num_rows >= 2 * threads ? 1 : threads;
-  std::unique_ptr<HeadState[]> split(parts > 1 ? new HeadState[num_rows * parts * kv_heads] : nullptr);
-  ParallelFor(pool, num_rows * parts, [&](int64_t item) {
+  const auto window_start = [&](int64_t len) {
+    return sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : int64_t{0};
+  };
+  if (parts == 1) {
+    ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+      const Item& it = items[i];
+      thread_local std::vector<HeadState> scratch;
+      scratch.resize(std::max<size_t>(scratch.size(), kRowBlock * kv_heads));
+      const int32_t* table = page_table.typed_data() + it.seq * d.table_width;
+      if (it.rows == 1) {
+        HeadState* const states[1] = {scratch.data()};
+        const int64_t first[1] = {window_start(it.len)}, end[1] = {it.len};
+        InitStates(d, q.typed_data() + it.row * row_size, sm_scale, states[0]);
+        AttendRange<1>(d, single, kv_pages.typed_data(), table, first, end, logit_soft_cap, states);
+        FinishRow(d, states[0], 1, o + it.row * row_size);
+        return;
+      }
+      HeadState* states[kRowBlock];
+      int64_t first[kRowBlock], end[kRowBlock];
+      for (int r = 0; r < kRowBlock; ++r) {  // a short block repeats its last row
+        const int64_t row = std::min<int64_t>(r, it.rows - 1);
+        states[r] = scratch.data() + r * kv_heads;
+        end[r] = std::min(it.len + row, max_len);
+        first[r] = window_start(end[r]);
+        InitStates(d, q.typed_data() + (it.row + row) * row_size, sm_scale, states[r]);
+      }
+      AttendRange<kRowBlock>(d, multi, kv_pages.typed_data(), table, first, end, logit_soft_cap,
+                             states);
+      for (int64_t r = 0; r < it.rows; ++r) FinishRow(d, states[r], 1, o + (it.row + r) * row_size);
+    });
+    return ffi::Error::Success();
+  }
+  struct Row {
+    int64_t row, seq, len;
+  };
+  std::vector<Row> rows;  // few rows: one by one, each one's keys split into `parts` ranges
+  for (const Item& it : items)
+    for (int64_t r = 0; r < it.rows; ++r)
+      if (it.len + r > 0) rows.push_back({it.row + r, it.seq, std::min(it.len + r, max_len)});
+  std::unique_ptr<HeadState[]> split(new HeadState[rows.size() * parts * kv_heads]);
+  ParallelFor(pool, static_cast<int64_t>(rows.size()) * parts, [&](int64_t item) {
     const Row& r = rows[item / parts];
-    const int64_t part = item % parts;
-    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, r.len - sliding_window) : 0;
-    const int64_t step = ((r.len - first + parts - 1) / parts + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-    const int64_t k0 = std::min(r.len, first + part * step), k1 = std::min(r.len, k0 + step);
-    thread_local std::vector<HeadState> scratch;
-    if (parts == 1 && static_cast<int64_t>(scratch.size()) < kv_heads) scratch.resize(kv_heads);
-    HeadState* mine = parts == 1 ? scratch.data() : split.get() + item * kv_heads;
-    InitStates(d, q.typed_data() + r.row * row_size, sm_scale, mine);
-    AttendRange(d, block, kv_pages.typed_data(), page_table.typed_data() + r.seq * d.table_width,
-                k0, k1, logit_soft_cap, mine);
-    if (parts == 1) FinishRow(d, mine, 1, o + r.row * row_size);
+    const int64_t part = item % parts, from = window_start(r.len);
+    const int64_t step =
+        ((r.len - from + parts - 1) / parts + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    const int64_t k0 = std::min(r.len, from + part * step), k1 = std::min(r.len, k0 + step);
+    HeadState* const states[1] = {split.get() + item * kv_heads};
+    const int64_t first[1] = {k0}, end[1] = {k1};
+    InitStates(d, q.typed_data() + r.row * row_size, sm_scale, states[0]);
+    AttendRange<1>(d, single, kv_pages.typed_data(), page_table.typed_data() + r.seq * d.table_width,
+                   first, end, logit_soft_cap, states);
   });
-  for (int64_t i = 0; parts > 1 && i < num_rows; ++i)
+  for (size_t i = 0; i < rows.size(); ++i)
     FinishRow(d, split.get() + i * parts * kv_heads, parts, o + rows[i].row * row_size);
   return ffi::Error::Success();
 }
