@@ -108,7 +108,7 @@ inline U8x16 LoadU8(const uint8_t* p) {
 // memory more than by vector width.
 constexpr int kALanes = 8;
 typedef float F8 __attribute__((vector_size(32)));
-typedef int32_t I8 __attribute__((vector_size(32)));  // also a per-lane mask: -1 true, 0 false
+typedef int32_t I32x8 __attribute__((vector_size(32)));  // also a lane mask: -1 true, 0 false
 
 inline F8 Load8(const float* p) {
   F8 v;
@@ -160,7 +160,7 @@ inline F8 Exp(F8 x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const I8 bits = (__builtin_convertvector(n, I8) + 127) << 23;
+  const I32x8 bits = (__builtin_convertvector(n, I32x8) + 127) << 23;
   return p * reinterpret_cast<const F8&>(bits);
 }
 inline float Exp(float x) { return Exp(Splat(x))[0]; }
@@ -179,8 +179,8 @@ struct HeadState {
 // row r takes the keys in lanes [lo[r], hi[r]) (its causal end and window start; the other
 // lanes are masked, and a row with none is left as it is). Rows of one prefill chunk share the
 // block's K and V loads. G, V and R are template arguments so that every loop below has
-// constant bounds and the state lives in locals: with runtime bounds (and the state behind a
-// pointer that the key pointers may alias) GCC kept reloading and storing it.
+// constant bounds and the accumulators live in registers: with runtime bounds (and the state
+// behind a pointer that the key pointers may alias) GCC kept reloading and storing them.
 template <int G, int V, int R>
 void AttendBlock(HeadState* const (&st)[R], const float* const (&keys)[kKeyBlock],
                  const int (&lo)[R], const int (&hi)[R], float soft_cap) {
@@ -196,11 +196,11 @@ void AttendBlock(HeadState* const (&st)[R], const float* const (&keys)[kKeyBlock
       }
     }
   }
-  const I8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const I32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
   alignas(32) float probs[R][G][kKeyBlock];
   float alpha[R][G];
   for (int r = 0; r < R; ++r) {
-    const I8 valid = (lane >= lo[r]) & (lane < hi[r]);
+    const I32x8 valid = (lane >= lo[r]) & (lane < hi[r]);
     for (int g = 0; g < G; ++g) {
       if (lo[r] >= hi[r]) {  // no key of this block for this row
         alpha[r][g] = 1.0f;
