@@ -87,6 +87,22 @@ def test_a_lone_sequence_splits_its_keys_over_the_threads(kv_len: int, window: i
     np.testing.assert_allclose(case.real_rows(got), case.real_rows(want), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_short_prefill_chunk_splits_each_row_over_the_threads(window: int | None) -> None:
+    # Three rows in all (fewer than twice the threads on a 2-core machine): each prefill row's
+    # keys are cut into ranges and merged, the path a short chunk of a long prompt takes.
+    rng = np.random.default_rng(11)
+    case = make_case(
+        rng, q_lens=[3], kv_lens=[70], num_q_heads=8, num_kv_heads=2, head_dim=128,
+        page_size=16, dtype=jnp.float32, pad_tokens=2, pad_seqs=1, pages_per_seq=6,
+    )  # fmt: skip
+    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
+    attend = functools.partial(ragged_paged_attention, sliding_window=window, impl="cpu")
+    got = np.asarray(jax.jit(attend, static_argnames="sm_scale")(*arrays, sm_scale=0.09))
+    want = dense_attention_oracle(case, 0.09, window, None)
+    np.testing.assert_allclose(case.real_rows(got), case.real_rows(want), atol=2e-5, rtol=2e-5)
+
+
 def test_prefill_and_decode_rows_and_padding_rows_zero() -> None:
     # Sequence 0 decodes (1 row), sequence 1 prefills 3 rows; the padding row after them is
     # zero, where the cache holds NaN.
