@@ -116,7 +116,7 @@ inline F8 Load8(const float* p) {
   return v;
 }
 inline void Store8(float* p, F8 v) { std::memcpy(p, &v, sizeof(v)); }
-inline F8 Splat(float x) { return F8{} + x; }
+inline F8 Splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
 
 inline float Sum8(F8 v) {
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
@@ -131,19 +131,21 @@ inline float Max8(F8 v) {
 }
 
 constexpr int kKeyBlock = kALanes;  // keys scored together: one score vector per query head
+constexpr int kChunk = 4 * kKeyBlock;  // keys per online-softmax update
 constexpr int64_t kMaxDim = 256, kMaxGroup = 8;
 
-// out[j] = sum of the lanes of p[j]: a transposing tree of 7 adds instead of 8 reductions.
+// out[j] = sum of the lanes of p[j]: a transposing tree of 7 adds instead of 8 reductions. The
+// shuffles stay within 128-bit halves until the last step (AVX2's cross-half ones are slower).
 inline F8 TransposeSum(const F8 (&p)[kKeyBlock]) {
   F8 a[4], b[2];
-  for (int i = 0; i < 4; ++i)  // lanes 0-3: key 2i, 4-7: key 2i+1
-    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int i = 0; i < 2; ++i)  // 2 lanes for each of keys 4i..4i+3
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-  return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-         __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int i = 0; i < 4; ++i)  // in each half: keys 2i, 2i+1, 2i, 2i+1
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  for (int i = 0; i < 2; ++i)  // in each half: keys 4i .. 4i+3
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 // exp(x) for x <= 0 in float32 (relative error ~2e-7): 2^n * e^r with |r| <= ln2/2 and a
@@ -175,78 +177,107 @@ struct HeadState {
   float m[kMaxGroup], l[kMaxGroup];
 };
 
-// One 8-key block into the states of R query rows of one kv head (G query heads each, D = 8V):
-// row r takes the keys in lanes [lo[r], hi[r]) (its causal end and window start; the other
-// lanes are masked, and a row with none is left as it is). Rows of one prefill chunk share the
-// block's K and V loads. G, V and R are template arguments so that every loop below has
-// constant bounds and the accumulators live in registers: with runtime bounds (and the state
-// behind a pointer that the key pointers may alias) GCC kept reloading and storing them.
+// One chunk of kChunk keys into the states of R query rows of one kv head (G query heads each,
+// D = 8V): row r takes the keys in [lo[r], hi[r]) of the chunk (its window start and causal end;
+// a row with none is left as it is). Three passes: the scores of every (row, head) against the
+// chunk's keys, 8 keys at a time with q in registers; one online-softmax update per (row, head)
+// for the whole chunk, so its rescaling is paid once per 32 keys rather than per 8; then the
+// values weighted into the accumulators, several output vectors per probability broadcast.
+// G, V and R are template arguments so that the loops have constant bounds and the
+// accumulators live in registers (with runtime bounds GCC kept reloading and storing them).
+// On the AVX2 machine this took one layer's attention for 118 decodes and a 394-token prefill
+// chunk from 9.1 to 7.8 ms (bench/RESULTS.md has the engine's numbers).
 template <int G, int V, int R>
-void AttendBlock(HeadState* const (&st)[R], const float* const (&keys)[kKeyBlock],
+void AttendChunk(HeadState* const (&st)[R], const float* const (&keys)[kChunk],
                  const int (&lo)[R], const int (&hi)[R], float soft_cap) {
-  F8 partial[R][G][kKeyBlock];
-  for (int j = 0; j < kKeyBlock; ++j) {
-    F8 k[V];
-    for (int v = 0; v < V; ++v) k[v] = Load8(keys[j] + v * kALanes);
-    for (int r = 0; r < R; ++r) {
-      for (int g = 0; g < G; ++g) {
-        F8 dot = st[r]->q[g][0] * k[0];
-        for (int v = 1; v < V; ++v) dot += st[r]->q[g][v] * k[v];
-        partial[r][g][j] = dot;
+  int last = 0;  // keys past every row's end are not read
+  for (int r = 0; r < R; ++r) last = std::max(last, hi[r]);
+  const int blocks = (last + kKeyBlock - 1) / kKeyBlock;
+  alignas(32) float scores[R][G][kChunk];  // then the probabilities
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) {
+      F8 q[V];
+      for (int v = 0; v < V; ++v) q[v] = st[r]->q[g][v];
+      for (int b = 0; b < blocks; ++b) {
+        F8 partial[kKeyBlock];
+        for (int j = 0; j < kKeyBlock; ++j) {
+          const float* k = keys[b * kKeyBlock + j];
+          F8 dot = q[0] * Load8(k);
+          for (int v = 1; v < V; ++v) dot += q[v] * Load8(k + v * kALanes);
+          partial[j] = dot;
+        }
+        Store8(&scores[r][g][b * kKeyBlock], TransposeSum(partial));
       }
     }
   }
   const I32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-  alignas(32) float probs[R][G][kKeyBlock];
   float alpha[R][G];
   for (int r = 0; r < R; ++r) {
-    const I32x8 valid = (lane >= lo[r]) & (lane < hi[r]);
     for (int g = 0; g < G; ++g) {
-      if (lo[r] >= hi[r]) {  // no key of this block for this row
-        alpha[r][g] = 1.0f;
-        Store8(probs[r][g], F8{});
+      alpha[r][g] = 1.0f;
+      float* s = scores[r][g];
+      if (lo[r] >= hi[r]) {  // no key of this chunk for this row
+        for (int b = 0; b < blocks; ++b) Store8(s + b * kKeyBlock, F8{});
         continue;
       }
-      F8 scores = TransposeSum(partial[r][g]);
-      for (int i = 0; soft_cap > 0 && i < kALanes; ++i)
-        scores[i] = soft_cap * std::tanh(scores[i] / soft_cap);
-      scores = valid ? scores : Splat(-INFINITY);
-      HeadState& s = *st[r];
-      const float new_max = std::max(s.m[g], Max8(scores));
-      alpha[r][g] = Exp(s.m[g] - new_max);  // ~0 on the row's first block
-      const F8 p = valid ? Exp(scores - new_max) : F8{};
-      Store8(probs[r][g], p);
-      s.l[g] = s.l[g] * alpha[r][g] + Sum8(p);
-      s.m[g] = new_max;
+      F8 top = Splat(-INFINITY);
+      for (int b = 0; b < blocks; ++b) {
+        F8 x = Load8(s + b * kKeyBlock);
+        for (int i = 0; soft_cap > 0 && i < kALanes; ++i)
+          x[i] = soft_cap * std::tanh(x[i] / soft_cap);
+        const I32x8 key = lane + b * kKeyBlock;
+        x = (key >= lo[r]) & (key < hi[r]) ? x : Splat(-INFINITY);
+        Store8(s + b * kKeyBlock, x);
+        top = Max(top, x);
+      }
+      HeadState& state = *st[r];
+      const float new_max = std::max(state.m[g], Max8(top));
+      alpha[r][g] = Exp(state.m[g] - new_max);  // ~0 on the row's first chunk
+      F8 sum = {};
+      for (int b = 0; b < blocks; ++b) {
+        const F8 x = Load8(s + b * kKeyBlock);
+        const F8 p = x > Splat(-INFINITY) ? Exp(x - new_max) : F8{};
+        Store8(s + b * kKeyBlock, p);
+        sum += p;
+      }
+      state.l[g] = state.l[g] * alpha[r][g] + Sum8(sum);
+      state.m[g] = new_max;
     }
   }
-  // One output vector at a time for all rows and heads, so the accumulators stay in registers.
-  int last = 0;  // lanes past every row's end are not read
-  for (int r = 0; r < R; ++r) last = std::max(last, hi[r]);
-  for (int v = 0; v < V; ++v) {
-    F8 acc[R][G];
+  // The values: VB output vectors of every row and head at a time, R * G * VB accumulators in
+  // registers (of AVX2's 16) beside the broadcast probability and the loaded values.
+  constexpr int VB = R * G * 4 <= 12 ? 4 : R * G * 2 <= 12 ? 2 : 1;
+  for (int v0 = 0; v0 < V; v0 += VB) {
+    F8 acc[R][G][VB];
     for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) acc[r][g] = st[r]->acc[g][v] * alpha[r][g];
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < VB; ++u) acc[r][g][u] = st[r]->acc[g][v0 + u] * alpha[r][g];
     for (int j = 0; j < last; ++j) {
-      const F8 value = Load8(keys[j] + (V + v) * kALanes);
-      for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) acc[r][g] += probs[r][g][j] * value;
+      const float* value = keys[j] + (V + v0) * kALanes;
+      for (int r = 0; r < R; ++r) {
+        for (int g = 0; g < G; ++g) {
+          const F8 p = Splat(scores[r][g][j]);
+          for (int u = 0; u < VB; ++u) acc[r][g][u] += p * Load8(value + u * kALanes);
+        }
+      }
     }
     for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) st[r]->acc[g][v] = acc[r][g];
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < VB; ++u) st[r]->acc[g][v0 + u] = acc[r][g][u];
   }
 }
 
-// Consecutive query rows of one prefill chunk attended together (a decode row goes alone).
-constexpr int kRowBlock = 4;
+// Consecutive query rows of one prefill chunk attended together (a decode row goes alone): they
+// share the chunk's K and V from L1. 2 and 4 rows were equally fast, 1 row 15% slower.
+constexpr int kRowBlock = 2;
 
 template <int R>
-using BlockFn = void (*)(HeadState* const (&)[R], const float* const (&)[kKeyBlock],
+using BlockFn = void (*)(HeadState* const (&)[R], const float* const (&)[kChunk],
                          const int (&)[R], const int (&)[R], float);
 
 template <int R, int V, int... Gs>
 constexpr std::array<BlockFn<R>, sizeof...(Gs)> BlocksFor(std::integer_sequence<int, Gs...>) {
-  return {&AttendBlock<Gs + 1, V, R>...};
+  return {&AttendChunk<Gs + 1, V, R>...};
 }
 
 // The block function for `group` query heads per kv head and head_dim `dim` (64, 128 or 256),
@@ -265,33 +296,33 @@ BlockFn<R> PickBlock(int64_t group, int64_t dim) {
 }
 
 // Keys [first[r], end[r]) of one sequence into the states of R rows (each row's kv heads at
-// states[r], kv_heads of them), 8 keys at a time, read through the page table; within a block
-// every head is done before the next block, so the pages are swept in address order.
+// states[r], kv_heads of them), kChunk keys at a time, read through the page table; within a
+// chunk every head is done before the next chunk, so the pages are swept nearly in order.
 template <int R>
 void AttendRange(const AttentionShape& d, BlockFn<R> block, const float* kv_pages,
                  const int32_t* table, const int64_t (&first)[R], const int64_t (&end)[R],
                  float soft_cap, HeadState* const (&states)[R]) {
   const int64_t dim = d.head_dim, kv_heads = d.combined / 2;
   const int64_t k0 = *std::min_element(first, first + R), k1 = *std::max_element(end, end + R);
-  const float* slots[kKeyBlock];  // each key's slot: its 2*Hkv combined heads
+  const float* slots[kChunk];  // each key's slot: its 2*Hkv combined heads
   int64_t column = k0 / d.page_size, offset = k0 % d.page_size;  // of the next key
-  for (int64_t start = k0; start < k1; start += kKeyBlock) {
-    const int64_t n = std::min<int64_t>(kKeyBlock, k1 - start);
+  for (int64_t start = k0; start < k1; start += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, k1 - start);
     for (int64_t j = 0; j < n; ++j) {  // walk the page table without a division per key
       slots[j] = kv_pages + (table[column] * d.page_size + offset) * d.combined * dim;
       if (++offset == d.page_size) offset = 0, ++column;
     }
-    for (int64_t j = n; j < kKeyBlock; ++j) slots[j] = slots[n - 1];  // masked lanes
-    // No software prefetch: asking for the next block's slots (all heads) made 64 decodes at
-    // 336 keys 1.5x slower on the AVX2 machine, the hardware prefetchers keep up alone.
+    for (int64_t j = n; j < kChunk; ++j) slots[j] = slots[n - 1];  // masked lanes
+    // No software prefetch: asking for the next keys' slots (all heads, or each head's before
+    // its pass, 1 or 2 chunks ahead) was never faster on the AVX2 machine, up to 1.5x slower.
     int lo[R], hi[R];
     for (int r = 0; r < R; ++r) {
-      lo[r] = static_cast<int>(std::clamp<int64_t>(first[r] - start, 0, kKeyBlock));
-      hi[r] = static_cast<int>(std::clamp<int64_t>(end[r] - start, 0, kKeyBlock));
+      lo[r] = static_cast<int>(std::clamp<int64_t>(first[r] - start, 0, kChunk));
+      hi[r] = static_cast<int>(std::clamp<int64_t>(end[r] - start, 0, kChunk));
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const float* keys[kKeyBlock];
-      for (int64_t j = 0; j < kKeyBlock; ++j) keys[j] = slots[j] + 2 * h * dim;
+      const float* keys[kChunk];
+      for (int64_t j = 0; j < kChunk; ++j) keys[j] = slots[j] + 2 * h * dim;
       HeadState* heads[R];
       for (int r = 0; r < R; ++r) heads[r] = states[r] + h;
       block(heads, keys, lo, hi, soft_cap);
@@ -429,7 +460,7 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const Row& r = rows[item / parts];
     const int64_t part = item % parts, from = window_start(r.len);
     const int64_t step =
-        ((r.len - from + parts - 1) / parts + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+        ((r.len - from + parts - 1) / parts + kChunk - 1) / kChunk * kChunk;
     const int64_t k0 = std::min(r.len, from + part * step), k1 = std::min(r.len, k0 + step);
     HeadState* const states[1] = {split.get() + item * kv_heads};
     const int64_t first[1] = {k0}, end[1] = {k1};
