@@ -78,7 +78,7 @@ class StepOptions:
     cfg: ModelConfig
     attention_impl: str | None = None  # None: by platform
     apply_penalties: bool = False
-    num_top_logprobs: int = 0
+    num_top_logprobs: int = 0  # 0: no request asked for logprobs, none are computed
     num_prompt_logprobs: int | None = None  # None: no prompt logprobs
     sharding: ShardingPlan | None = None  # None: one device
 
@@ -162,6 +162,7 @@ def step(
         batch.sampling,
         apply_penalties=options.apply_penalties,
         num_top_logprobs=options.num_top_logprobs,
+        logprobs=options.num_top_logprobs > 0,  # some request asked for them (MAX_LOGPROBS)
     )
     prompt = None
     if options.num_prompt_logprobs is not None:

@@ -306,3 +306,25 @@ def test_bad_inputs_are_rejected_with_a_message() -> None:
     t = SamplingTensors.greedy(3)
     with pytest.raises(ValueError, match="temperature"):
         sample_jit(np.zeros((2, 8), np.float32), t, apply_penalties=False, num_top_logprobs=0)
+
+
+def test_without_logprobs_the_same_tokens_are_drawn() -> None:
+    """logprobs=False skips the vocabulary's normalizer, not the draw: greedy and seeded rows
+    pick what they pick with logprobs, and the logprobs read zero."""
+    rng = np.random.default_rng(5)
+    rows = 8
+    logits = rng.normal(size=(rows, VOCAB)).astype(np.float32)
+    t = make_sampling_tensors(
+        rows,
+        temperature=np.where(np.arange(rows) % 2 == 0, 0.0, 0.8),
+        top_p=0.9,
+        seeds=rng.integers(0, 2**32, rows),
+    )
+    full = sample_jit(logits, t, apply_penalties=False, num_top_logprobs=2)
+    bare = sample_jit(logits, t, apply_penalties=False, num_top_logprobs=0, logprobs=False)
+    np.testing.assert_array_equal(np.asarray(bare.token_ids), np.asarray(full.token_ids))
+    np.testing.assert_array_equal(np.asarray(bare.logprobs), np.zeros(rows, np.float32))
+    assert np.asarray(full.logprobs).min() < 0  # the oracle run did compute them
+    assert bare.top_ids.shape == (rows, 0)
+    with pytest.raises(ValueError, match="without logprobs"):
+        sample_jit(logits, t, apply_penalties=False, num_top_logprobs=2, logprobs=False)
