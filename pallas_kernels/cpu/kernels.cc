@@ -244,9 +244,10 @@ void AttendChunk(HeadState* const (&st)[R], const float* const (&keys)[kChunk],
       state.m[g] = new_max;
     }
   }
-  // The values: VB output vectors of every row and head at a time, R * G * VB accumulators in
-  // registers (of AVX2's 16) beside the broadcast probability and the loaded values.
-  constexpr int VB = R * G * 4 <= 12 ? 4 : R * G * 2 <= 12 ? 2 : 1;
+  // The values: VB output vectors of every row and head at a time, so that the R * G * VB
+  // accumulators, VB loaded values and the broadcast probability fit AVX2's 16 registers (one
+  // more, and GCC spilled an accumulator to the stack in the loop over the keys).
+  constexpr int VB = R * G * 4 + 5 <= 16 ? 4 : R * G * 2 + 3 <= 16 ? 2 : 1;
   for (int v0 = 0; v0 < V; v0 += VB) {
     F8 acc[R][G][VB];
     for (int r = 0; r < R; ++r)
