@@ -1,4 +1,4 @@
-"""Keeps the memory that XLA:CPU frees in the process, for the next step to reuse.
+"""Host memory for XLA:CPU: freed blocks kept for the next step, long-lived arrays on huge pages.
 
 XLA:CPU allocates each step's outputs and temporaries with malloc and frees them when the step
 ends. glibc serves large blocks (over its mmap threshold: 128 KiB, rising to at most 32 MiB) with
@@ -8,6 +8,13 @@ SmolLM2 single-stream decode step 23 ms instead of 19, and offline throughput dr
 (bench/RESULTS.md). Raising the mmap and trim thresholds keeps freed blocks on malloc's heap, as
 vLLM's CPU backend gets by preloading tcmalloc. The cost: the process's resident memory stays at
 its peak instead of shrinking after a step.
+
+The weights and the KV cache live for the whole run and are read in full every step, through
+4 KiB pages unless the kernel is told otherwise (`transparent_hugepage` is usually "madvise").
+`use_huge_pages` collapses them into 2 MiB pages in place (MADV_COLLAPSE, Linux 6.1): on the
+2-core AMD machine, in alternating runs, a step of 128 decodes went from 479-487 to 451-459 ms
+and a 512-token mixed step from 956-968 to 940 ms (the attention reads every page of the cache
+and the products every weight, with fewer TLB misses).
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+from collections.abc import Iterable
+
+import jax
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +34,10 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD = 1 << 30
 _TRIM_THRESHOLD = 2**31 - 1
+
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25
+_HUGE_PAGE = 2 << 20
 
 _applied = False
 
@@ -45,3 +59,32 @@ def keep_freed_memory() -> bool:
         log.warning("could not raise malloc's mmap/trim thresholds; CPU steps will run slower")
     _applied = ok
     return ok
+
+
+def use_huge_pages(arrays: Iterable[jax.Array]) -> int:
+    """Backs the 2 MiB-aligned part of each CPU array's buffer with huge pages; returns the bytes
+    collapsed (0 where the kernel or the platform can't: nothing changes but the speed)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    done = 0
+    for array in arrays:
+        if array.is_deleted() or {d.platform for d in array.devices()} != {"cpu"}:
+            continue
+        for shard in array.addressable_shards:
+            start = shard.data.unsafe_buffer_pointer()
+            first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+            last = (start + shard.data.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+            if last <= first:
+                continue
+            length = last - first
+            # MADV_HUGEPAGE marks the range (collapse needs it where THP is "madvise"); the
+            # collapse copies the pages in place, keeping their contents and addresses.
+            if libc.madvise(first, length, _MADV_HUGEPAGE) or libc.madvise(
+                first, length, _MADV_COLLAPSE
+            ):  # an old kernel, THP off, or memory that is not anonymous (a mapped file)
+                log.debug("no huge pages for %d bytes (errno %d)", length, ctypes.get_errno())
+                continue
+            done += length
+    return done

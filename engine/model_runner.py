@@ -97,6 +97,9 @@ class ModelRunner:
         self.num_pages = num_pages_for(cache_config, page_bytes)
         self.kv_spec = one_page.replace(num_pages=self.num_pages)
         self.kv_caches = self._init_caches()
+        if _platform() == "cpu":
+            huge = host_memory.use_huge_pages(jax.tree.leaves((self.params, self.kv_caches)))
+            log.info("weights and KV cache: %.1f GiB on huge pages", huge / 2**30)
         self.page_size = cache_config.page_size
         self.page_bytes = page_bytes
         self.shapes = BatchShapes.create(

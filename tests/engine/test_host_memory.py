@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from engine import host_memory
@@ -41,3 +44,26 @@ def test_large_blocks_come_from_the_heap_and_stay_there() -> None:
     mmapped = _mmapped_bytes(libc) - before
     libc.free(block)
     assert mmapped < size, "a 96 MiB block was served by mmap: the threshold did not apply"
+
+
+def _anon_huge_kib() -> int:
+    text = Path("/proc/self/smaps_rollup").read_text()
+    return int(text.split("AnonHugePages:")[1].split()[0])
+
+
+def test_long_lived_arrays_move_to_huge_pages_unchanged() -> None:
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    setting = thp.read_text() if thp.exists() else "[never]"
+    x = jnp.arange(6 << 20, dtype=jnp.float32)  # 24 MiB: at least 10 whole 2 MiB pages
+    expected = np.arange(6 << 20, dtype=np.float32)
+    before = _anon_huge_kib()
+    collapsed = host_memory.use_huge_pages([x])
+    if "[never]" in setting:
+        assert collapsed == 0
+    elif collapsed == 0:
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux < 6.1)")
+    else:
+        assert collapsed >= 10 << 21
+        assert _anon_huge_kib() - before >= collapsed >> 10
+    np.testing.assert_array_equal(np.asarray(x), expected)
+    np.testing.assert_array_equal(np.asarray(x + 1), expected + 1)  # still a live buffer
