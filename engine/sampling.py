@@ -270,7 +270,7 @@ def sample(
       num_top_logprobs: static K >= 0, the number of top alternatives returned per row.
       logprobs: static; when False (no request in the batch asked for logprobs), the
         normalizer over the vocabulary is not computed, `logprobs` are zeros and K must be 0.
-        On CPU that pass costs as much as a tenth of the output layer's product.
+        On CPU that pass took half as long as the output layer's product (128 rows).
 
     Returns:
       SamplerOutput with token_ids i32[S], logprobs f32[S], top_ids i32[S, K] and
@@ -286,8 +286,12 @@ def sample(
         token_ids = _sample_rows(processed, t)
     if not logprobs:
         num_rows = logits.shape[0]
-        no_top = jnp.zeros((num_rows, 0), jnp.int32)
-        return SamplerOutput(token_ids, jnp.zeros(num_rows, jnp.float32), no_top, no_top * 0.0)
+        return SamplerOutput(
+            token_ids,
+            jnp.zeros(num_rows, jnp.float32),
+            jnp.zeros((num_rows, 0), jnp.int32),
+            jnp.zeros((num_rows, 0), jnp.float32),
+        )
     with jax.named_scope("logprobs"):
         return _gather_logprobs(logits, token_ids, num_top_logprobs)
 
