@@ -61,16 +61,19 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-def use_huge_pages(arrays: Iterable[jax.Array]) -> int:
-    """Backs the 2 MiB-aligned part of each CPU array's buffer with huge pages; returns the bytes
-    collapsed (0 where the kernel or the platform can't: nothing changes but the speed)."""
+def use_huge_pages(arrays: Iterable[object]) -> int:
+    """Backs the 2 MiB-aligned part of each CPU jax.Array's buffer with huge pages (other values
+    are skipped); returns the bytes collapsed (0 where the kernel or the platform can't: nothing
+    changes but the speed)."""
     if not sys.platform.startswith("linux"):
         return 0
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done = 0
     for array in arrays:
-        if array.is_deleted() or {d.platform for d in array.devices()} != {"cpu"}:
+        if not isinstance(array, jax.Array) or array.is_deleted():
+            continue
+        if {d.platform for d in array.devices()} != {"cpu"}:
             continue
         for shard in array.addressable_shards:
             start = shard.data.unsafe_buffer_pointer()
