@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ragged_cases import dense_attention_oracle, make_case, random_lengths
+from ragged_cases import RaggedCase, dense_attention_oracle, make_case, random_lengths
 
 from engine.models import quant
 from engine.models.quant import QuantizedWeight, dequantize
@@ -31,6 +31,22 @@ CASES = [
     ("decode", (6, 2), 64, 64, 40, 30.0),
     ("chunked", (16, 2), 128, 16, None, 5.0),
 ]
+
+
+def assert_kernel_matches_oracle(
+    case: RaggedCase, scale: float, window: int | None, cap: float | None = None
+) -> None:
+    """The kernel's real rows against the float64 dense oracle: float32 sums in another order,
+    and exp a polynomial (~2e-7 relative)."""
+    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
+    attend = jax.jit(
+        lambda *a: ragged_paged_attention(
+            *a, sm_scale=scale, sliding_window=window, logit_soft_cap=cap, impl="cpu"
+        )
+    )
+    got = case.real_rows(np.asarray(attend(*map(jnp.asarray, arrays))))
+    want = case.real_rows(dense_attention_oracle(case, scale, window, cap))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize(("kind", "heads", "head_dim", "page_size", "window", "cap"), CASES)
@@ -57,18 +73,8 @@ def test_attention_matches_dense_oracle(
         pad_seqs=2,
         pages_per_seq=-(-max(kv_lens) // page_size) + 2,
     )
-    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
     assert kernel_supports(jnp.asarray(case.q), jnp.asarray(case.kv_pages), None)
-    scale = head_dim**-0.5
-    attend = jax.jit(
-        lambda *a: ragged_paged_attention(
-            *a, sm_scale=scale, sliding_window=window, logit_soft_cap=cap, impl="cpu"
-        )
-    )
-    got = case.real_rows(np.asarray(attend(*map(jnp.asarray, arrays))))
-    want = case.real_rows(dense_attention_oracle(case, scale, window, cap))
-    # float32 sums in another order than the float64 oracle; exp is a polynomial (~2e-7 rel).
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert_kernel_matches_oracle(case, head_dim**-0.5, window, cap)
 
 
 @pytest.mark.parametrize(("kv_len", "window"), [(1, None), (37, None), (300, None), (300, 40)])
@@ -80,11 +86,7 @@ def test_a_lone_sequence_splits_its_keys_over_the_threads(kv_len: int, window: i
         rng, q_lens=[1], kv_lens=[kv_len], num_q_heads=9, num_kv_heads=3, head_dim=64,
         page_size=16, dtype=jnp.float32, pad_tokens=3, pad_seqs=1, pages_per_seq=20,
     )  # fmt: skip
-    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
-    attend = functools.partial(ragged_paged_attention, sliding_window=window, impl="cpu")
-    got = np.asarray(jax.jit(attend, static_argnames="sm_scale")(*arrays, sm_scale=0.125))
-    want = dense_attention_oracle(case, 0.125, window, None)
-    np.testing.assert_allclose(case.real_rows(got), case.real_rows(want), atol=2e-5, rtol=2e-5)
+    assert_kernel_matches_oracle(case, 0.125, window)
 
 
 @pytest.mark.parametrize("window", [None, 8])
@@ -96,11 +98,7 @@ def test_a_short_prefill_chunk_splits_each_row_over_the_threads(window: int | No
         rng, q_lens=[3], kv_lens=[70], num_q_heads=8, num_kv_heads=2, head_dim=128,
         page_size=16, dtype=jnp.float32, pad_tokens=2, pad_seqs=1, pages_per_seq=6,
     )  # fmt: skip
-    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
-    attend = functools.partial(ragged_paged_attention, sliding_window=window, impl="cpu")
-    got = np.asarray(jax.jit(attend, static_argnames="sm_scale")(*arrays, sm_scale=0.09))
-    want = dense_attention_oracle(case, 0.09, window, None)
-    np.testing.assert_allclose(case.real_rows(got), case.real_rows(want), atol=2e-5, rtol=2e-5)
+    assert_kernel_matches_oracle(case, 0.09, window)
 
 
 def test_prefill_and_decode_rows_and_padding_rows_zero() -> None:
