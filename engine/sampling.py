@@ -211,6 +211,23 @@ def truncation_cutoff(
     return jnp.maximum(top_kp_cutoff, min_p_cutoff)
 
 
+def argmax(x: jax.Array, block: int = 128) -> jax.Array:  # f32[S, V] -> i32[S]
+    """The first index of each row's maximum, NaN taken as +inf (a row of broken logits still
+    gives one of its NaNs), in two short passes: the maximum of each block of `block` columns,
+    then the argmax inside the first block that holds the row's maximum. XLA:CPU does the
+    one-pass `jnp.argmax` as a scalar loop over (value, index) pairs: 15.5 ms for 128 rows of
+    SmolLM2's 49152 logits, ~1 ms this way. (NaN is replaced because XLA:CPU's vectorised max
+    may drop it.)"""
+    rows, width = x.shape
+    x = jnp.where(jnp.isnan(x), jnp.inf, x)
+    if width % block:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    blocks = x.reshape(rows, width // block, block)
+    first = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)  # i[S]: the block of the maximum
+    inside = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]  # f32[S, block]
+    return (first * block + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
+
+
 def _row_keys(seeds: HostOrDeviceArray, output_index: HostOrDeviceArray) -> jax.Array:  # -> key[S]
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, output_index)
 
@@ -221,7 +238,7 @@ def _sample_rows(
 ) -> jax.Array:  # i32[S]
     """Steps 3-6: greedy argmax, or temperature, truncation and a draw with the row's key."""
     is_greedy = t.temperature == 0
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_ids = argmax(logits)
 
     def draw() -> jax.Array:
         scaled = logits / jnp.where(is_greedy, 1.0, t.temperature)[:, None]

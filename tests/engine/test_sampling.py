@@ -10,6 +10,7 @@ import pytest
 
 from engine.sampling import (
     SamplingTensors,
+    argmax,
     make_sampling_tensors,
     processed_logits,
     prompt_logprobs_jit,
@@ -64,6 +65,21 @@ def penalty_fields(rng: np.random.Generator, rows: int, vocab: int) -> dict[str,
         "prompt_ids": padded_ids(rng, rows, 12, vocab),
         "output_ids": padded_ids(rng, rows, 10, vocab),
     }
+
+
+@pytest.mark.parametrize("width", [512, 500])  # blocks of 128, and the one-pass fallback
+def test_blocked_argmax_matches_numpy_on_ties_nan_and_infinities(width: int) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, size=(8, width)).astype(np.float32)  # many ties
+    x[1, [5, 300, 301]] = 9.0  # the maximum in two blocks: the first index wins
+    x[2, [200, 450]] = np.nan  # NaN counts as +inf: the first one wins
+    x[3] = -np.inf
+    x[4, [130, 140]] = np.inf
+    x[5, -1] = 9.0  # the last column
+    x[6, [3, 260]] = [np.inf, np.nan]  # +inf before NaN (NumPy would take the NaN)
+    got = np.asarray(jax.jit(argmax)(x))
+    np.testing.assert_array_equal(got, np.where(np.isnan(x), np.inf, x).argmax(axis=-1))
+    assert got[2] == 200 and got[6] == 3
 
 
 def test_greedy_is_argmax_whatever_the_other_parameters() -> None:
