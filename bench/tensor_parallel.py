@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 NUM_DEVICES = 8
 TITLE = "Tensor-parallel step time on simulated CPU devices (bench/tensor_parallel.py)"
@@ -29,6 +30,8 @@ def main() -> int:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
     import jax
 
+    if __package__ in (None, ""):  # run as a script: the checkout's root holds `bench`
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench import common
 
     rows = [measure(tp, args.repeats) for tp in (1, 2, 4)]
@@ -115,7 +118,6 @@ def byte_tokenizer():
     """The tests' byte-level tokenizer: outputs past its 260 ids detokenize to nothing, and
     the benchmark needs no text."""
     import tempfile
-    from pathlib import Path
 
     from engine.tokenizer import load_tokenizer
     from tests.engine.tiny_model import write_byte_tokenizer

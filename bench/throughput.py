@@ -25,8 +25,12 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
+
+if __package__ in (None, ""):  # run as a script: the checkout's root holds `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common
 from engine.config import CacheConfig, SchedulerConfig
