@@ -187,9 +187,18 @@ struct HeadState {
 // accumulators live in registers (with runtime bounds GCC kept reloading and storing them).
 // On the AVX2 machine this took one layer's attention for 118 decodes and a 394-token prefill
 // chunk from 9.1 to 7.8 ms (bench/RESULTS.md has the engine's numbers).
+//
+// A decode row (R = 1) reads each key once, and alone would wait on memory: its score pass
+// prefetches this head's K and V of the next chunk (`ahead`), a key's lines between that key's
+// loads, so that requests stream at an even pace while the scores are computed. One layer of
+// 128 decodes at ~400 keys, in alternating runs: 2.4-3.2 -> 1.8-2.4 ms (25-32 -> 33-44 GB/s;
+// a plain two-thread sum over the same pages ran at ~36). Asking for a whole chunk at once, before it or before each head's pass,
+// had never been faster: a burst of hundreds of lines overflows the queue of misses. Prefill
+// blocks (R > 1) reread each chunk from cache for many rows and do not prefetch.
 template <int G, int V, int R>
 void AttendChunk(HeadState* const (&st)[R], const float* const (&keys)[kChunk],
-                 const int (&lo)[R], const int (&hi)[R], float soft_cap) {
+                 const float* const (&ahead)[kChunk], const int (&lo)[R], const int (&hi)[R],
+                 float soft_cap) {
   int last = 0;  // keys past every row's end are not read
   for (int r = 0; r < R; ++r) last = std::max(last, hi[r]);
   const int blocks = (last + kKeyBlock - 1) / kKeyBlock;
@@ -202,6 +211,11 @@ void AttendChunk(HeadState* const (&st)[R], const float* const (&keys)[kChunk],
         F8 partial[kKeyBlock];
         for (int j = 0; j < kKeyBlock; ++j) {
           const float* k = keys[b * kKeyBlock + j];
+          if (R == 1 && g == 0) {  // this head's K and V of the next chunk's key j
+            const char* next = reinterpret_cast<const char*>(ahead[b * kKeyBlock + j]);
+            for (int byte = 0; byte < 2 * V * kALanes * 4; byte += 64)
+              __builtin_prefetch(next + byte);
+          }
           F8 dot = q[0] * Load8(k);
           for (int v = 1; v < V; ++v) dot += q[v] * Load8(k + v * kALanes);
           partial[j] = dot;
@@ -274,7 +288,8 @@ constexpr int kRowBlock = 2;
 
 template <int R>
 using BlockFn = void (*)(HeadState* const (&)[R], const float* const (&)[kChunk],
-                         const int (&)[R], const int (&)[R], float);
+                         const float* const (&)[kChunk], const int (&)[R], const int (&)[R],
+                         float);
 
 template <int R, int V, int... Gs>
 constexpr std::array<BlockFn<R>, sizeof...(Gs)> BlocksFor(std::integer_sequence<int, Gs...>) {
@@ -305,29 +320,38 @@ void AttendRange(const AttentionShape& d, BlockFn<R> block, const float* kv_page
                  float soft_cap, HeadState* const (&states)[R]) {
   const int64_t dim = d.head_dim, kv_heads = d.combined / 2;
   const int64_t k0 = *std::min_element(first, first + R), k1 = *std::max_element(end, end + R);
-  const float* slots[kChunk];  // each key's slot: its 2*Hkv combined heads
+  if (k0 >= k1) return;
   int64_t column = k0 / d.page_size, offset = k0 % d.page_size;  // of the next key
-  for (int64_t start = k0; start < k1; start += kChunk) {
+  const auto chunk_slots = [&](int64_t start, const float* (&slots)[kChunk]) {
     const int64_t n = std::min<int64_t>(kChunk, k1 - start);
     for (int64_t j = 0; j < n; ++j) {  // walk the page table without a division per key
       slots[j] = kv_pages + (table[column] * d.page_size + offset) * d.combined * dim;
       if (++offset == d.page_size) offset = 0, ++column;
     }
     for (int64_t j = n; j < kChunk; ++j) slots[j] = slots[n - 1];  // masked lanes
-    // No software prefetch: asking for the next keys' slots (all heads, or each head's before
-    // its pass, 1 or 2 chunks ahead) was never faster on the AVX2 machine, up to 1.5x slower.
+  };
+  const float* slots[kChunk];  // each key's slot: its 2*Hkv combined heads
+  const float* next[kChunk];   // the next chunk's (the last chunk's own at the end)
+  chunk_slots(k0, slots);
+  for (int64_t start = k0; start < k1; start += kChunk) {
+    if (start + kChunk < k1) chunk_slots(start + kChunk, next);
+    else std::copy(slots, slots + kChunk, next);
     int lo[R], hi[R];
     for (int r = 0; r < R; ++r) {
       lo[r] = static_cast<int>(std::clamp<int64_t>(first[r] - start, 0, kChunk));
       hi[r] = static_cast<int>(std::clamp<int64_t>(end[r] - start, 0, kChunk));
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const float* keys[kChunk];
-      for (int64_t j = 0; j < kChunk; ++j) keys[j] = slots[j] + 2 * h * dim;
+      const float *keys[kChunk], *ahead[kChunk];
+      for (int64_t j = 0; j < kChunk; ++j) {
+        keys[j] = slots[j] + 2 * h * dim;
+        ahead[j] = next[j] + 2 * h * dim;
+      }
       HeadState* heads[R];
       for (int r = 0; r < R; ++r) heads[r] = states[r] + h;
-      block(heads, keys, lo, hi, soft_cap);
+      block(heads, keys, ahead, lo, hi, soft_cap);
     }
+    std::copy(next, next + kChunk, slots);
   }
 }
 
