@@ -67,7 +67,10 @@ def use_huge_pages(arrays: Iterable[object]) -> int:
     changes but the speed)."""
     if not sys.platform.startswith("linux"):
         return 0
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not glibc (musl names it otherwise): keep the speed we have
+        return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done = 0
     for array in arrays:
