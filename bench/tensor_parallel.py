@@ -104,11 +104,11 @@ def measure(tp: int, repeats: int) -> tuple[int, float, float]:
     prefill: list[float] = []
     decode: list[float] = []
     while engine.has_unfinished_requests():
-        prompt_tokens = engine.stats.num_computed_prompt_tokens
+        prompt_tokens = engine.stats().num_computed_prompt_tokens
         start = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - start
-        is_prefill = engine.stats.num_computed_prompt_tokens > prompt_tokens
+        is_prefill = engine.stats().num_computed_prompt_tokens > prompt_tokens
         (prefill if is_prefill else decode).append(seconds)
     # The first step of each kind compiled its bucket.
     return tp, statistics.median(prefill[1:]), statistics.median(decode[1:])

@@ -25,19 +25,19 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
-
-import jax
 
 if __package__ in (None, ""):  # run as a script: the checkout's root holds `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common
-from engine.config import CacheConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine, run_to_completion
+from engine.builder import build_engine
+from engine.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import run_to_completion
+from engine.protocol import Engine
 from engine.request import SamplingParams
-from engine.tokenizer import load_tokenizer
-from engine.weights import open_checkpoint, param_count, resolve_model
+from engine.weights import resolve_model
 from serving.cli import DEFAULT_CACHE_DIR, parse_bytes
 
 TITLE = "Offline throughput (bench/throughput.py)"
@@ -63,9 +63,7 @@ def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) ->
     return [[rng.randrange(low, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
-def run_xlaserve(
-    engine: LLMEngine, prompts: list[list[int]], output_len: int, dtype: str
-) -> Result:
+def run_xlaserve(engine: Engine, prompts: list[list[int]], output_len: int, dtype: str) -> Result:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     ids = [f"bench-{i}" for i in range(len(prompts))]
     start = time.perf_counter()
@@ -77,9 +75,9 @@ def run_xlaserve(
     return Result(f"xlaserve ({dtype})", seconds, len(prompts), tokens)
 
 
-def single_stream_decode(engine: LLMEngine, output_len: int) -> float:
+def single_stream_decode(engine: Engine, output_len: int) -> float:
     """Decode tokens/s of one request after a 512-token prompt (first token excluded)."""
-    [prompt] = make_prompts(1, (512, 512), engine.cfg.vocab_size, seed=1)
+    [prompt] = make_prompts(1, (512, 512), engine.model_info().vocab_size, seed=1)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("single", prompt, params)
     first = None
@@ -144,45 +142,45 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--write-results", action="store_true")
     args = parser.parse_args()
-    jax.config.update("jax_compilation_cache_dir", DEFAULT_CACHE_DIR)  # reruns skip compiling
     low, _, high = args.input_len.partition(":")
     lengths = (int(low), int(high or low))
 
-    checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
-    params = checkpoint.load_params()
-    engine = LLMEngine(
-        checkpoint.cfg,
-        params,
-        load_tokenizer(checkpoint.files.path),
-        cache_config=CacheConfig(page_size=16, memory_bytes=args.kv_cache_memory),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max(lengths[1], 512) + max(args.output_len, 64),
-        ),
+    engine = build_engine(
+        EngineConfig(
+            args.model,
+            dtype=args.dtype,
+            cache=CacheConfig(page_size=16, memory_bytes=args.kv_cache_memory),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=max(lengths[1], 512) + max(args.output_len, 64),
+            ),
+            compilation=CompilationConfig(cache_dir=DEFAULT_CACHE_DIR),  # reruns skip compiling
+        )
     )
-    prompts = make_prompts(args.num_prompts, lengths, checkpoint.cfg.vocab_size)
+    prompts = make_prompts(args.num_prompts, lengths, engine.model_info().vocab_size)
     results = [run_xlaserve(engine, prompts, args.output_len, args.dtype)]
-    preemptions = engine.scheduler.num_preemptions
+    preemptions = engine.stats().num_preemptions
     decode = single_stream_decode(engine, min(args.output_len, 64))
     if not args.skip_hf:
         results.append(
             run_transformers(args.model, prompts, args.output_len, args.hf_batch_size, args.dtype)
         )
 
-    weight_bytes = param_count(params) * jax.numpy.dtype(args.dtype).itemsize
+    weight_bytes = engine.stats().weight_bytes
     read_gbs = common.memory_bandwidth_gbs()
     floor = read_gbs * 1e9 / weight_bytes
     lines = [
         *common.preamble(
             ".venv/bin/python bench/throughput.py " + " ".join(sys.argv[1:]),
-            {"jax": jax.__version__},
+            {"jax": version("jax")},
         ),
         f"- model: {args.model}, {args.dtype} weights ({weight_bytes / 1e6:.0f} MB)",
         f"- workload: {args.num_prompts} prompts of {args.input_len} tokens, "
         f"{args.output_len} output tokens each, greedy, EOS ignored",
         f"- xlaserve: --max-num-seqs {args.max_num_seqs}, --max-num-batched-tokens "
-        f"{args.max_num_batched_tokens}, KV cache {engine.runner.num_pages} pages of 16 tokens "
+        f"{args.max_num_batched_tokens}, KV cache {engine.stats().num_kv_pages} pages of 16 "
+        "tokens "
         f"({args.kv_cache_memory / 2**30:.1f} GiB); {preemptions} preemptions",
         "",
         "| system | requests | seconds | requests/s | output tokens/s |",

@@ -30,13 +30,17 @@ import jax
 
 from bench import common
 from bench.throughput import make_prompts
-from engine.config import CacheConfig, QuantizationConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.models.quant import weight_bytes
+from engine.builder import build_engine
+from engine.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    QuantizationConfig,
+    SchedulerConfig,
+)
+from engine.protocol import Engine
 from engine.request import SamplingParams
-from engine.tokenizer import load_tokenizer
-from engine.weights import open_checkpoint, resolve_model
-from serving.cli import DEFAULT_CACHE_DIR, enable_compilation_cache
+from serving.cli import DEFAULT_CACHE_DIR
 
 TITLE = "Decode by weight and KV-cache dtype (bench/weights_dtype.py)"
 PAGE_SIZE = 16
@@ -75,47 +79,43 @@ class Rate:
         return f"{self.tokens_per_s:.1f} ({self.step_ms:.1f} ms)"
 
 
-def build_engine(
+def make_engine(
     model: str,
     dtype: str,
     quantization: str | None,
     workloads: tuple[Workload, ...],
     steps: int,
     kv_cache_dtype: str | None = None,
-) -> tuple[LLMEngine, float]:
+) -> tuple[Engine, float]:
     """An engine whose KV cache holds exactly the largest workload, compiled on demand, and
-    the seconds its weights took to load."""
-    checkpoint = open_checkpoint(resolve_model(model), dtype=dtype)
-    quant = QuantizationConfig(quantization) if quantization else None
-    start = time.perf_counter()
-    params = checkpoint.load_params(quantization=quant)
-    load_s = time.perf_counter() - start
+    the seconds it took to build (opening and loading the weights)."""
     new_tokens = 1 + UNTIMED_STEPS + steps
     max_len = max(w.prompt_len for w in workloads) + new_tokens
     pages = max(w.batch * -(-(w.prompt_len + new_tokens) // PAGE_SIZE) for w in workloads)
-    tokenizer = load_tokenizer(checkpoint.files.path)
-    engine = LLMEngine(
-        checkpoint.cfg,
-        params,
-        tokenizer,
-        warm_up=False,
-        cache_config=CacheConfig(
+    config = EngineConfig(
+        model,
+        dtype=dtype,
+        quantization=QuantizationConfig(quantization) if quantization else None,
+        cache=CacheConfig(
             PAGE_SIZE, num_pages=pages, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype
         ),
-        scheduler_config=SchedulerConfig(
+        scheduler=SchedulerConfig(
             max_num_seqs=max(w.batch for w in workloads),
             # a workload's prompts all prefill in one step: few step buckets to compile
             max_num_batched_tokens=max(w.batch * w.prompt_len for w in workloads),
             max_model_len=max_len,
         ),
+        compilation=CompilationConfig(cache_dir=DEFAULT_CACHE_DIR, warm_up="lazy"),
     )
-    return engine, load_s
+    start = time.perf_counter()
+    engine = build_engine(config)
+    return engine, time.perf_counter() - start
 
 
-def decode_rate(engine: LLMEngine, workload: Workload, steps: int, seed: int) -> Rate:
+def decode_rate(engine: Engine, workload: Workload, steps: int, seed: int) -> Rate:
     """Median decode step of `workload` once every sequence has its first token."""
     prompts = make_prompts(
-        workload.batch, (workload.prompt_len,) * 2, engine.cfg.vocab_size, seed=seed
+        workload.batch, (workload.prompt_len,) * 2, engine.model_info().vocab_size, seed=seed
     )
     params = SamplingParams(temperature=0, max_tokens=1 + UNTIMED_STEPS + steps, ignore_eos=True)
     ids = [f"{seed}-{i}" for i in range(workload.batch)]
@@ -137,22 +137,18 @@ def decode_rate(engine: LLMEngine, workload: Workload, steps: int, seed: int) ->
     return Rate(workload.batch / median, median * 1e3)
 
 
-def kv_bytes(engine: LLMEngine) -> int:
-    return sum(int(x.nbytes) for x in jax.tree.leaves(engine.runner.kv_caches))
-
-
 def weight_row(model: str, label: str, dtype: str, quantization: str | None, steps: int) -> str:
-    engine, load_s = build_engine(model, dtype, quantization, (SINGLE, BATCH), steps)
-    size = weight_bytes(engine.runner.params) / 1e6
+    engine, load_s = make_engine(model, dtype, quantization, (SINGLE, BATCH), steps)
+    size = engine.stats().weight_bytes / 1e6
     single = decode_rate(engine, SINGLE, steps, seed=1)
     batch = decode_rate(engine, BATCH, steps, seed=2)
     return f"| {label} | {dtype} | {size:.0f} | {load_s:.1f} | {single.cell()} | {batch.cell()} |"
 
 
 def kv_row(model: str, kv_dtype: str, long: Workload, steps: int) -> str:
-    engine, _ = build_engine(model, "float32", None, (long,), steps, kv_dtype)
-    total = kv_bytes(engine)
-    slots = engine.runner.num_pages * PAGE_SIZE
+    engine, _ = make_engine(model, "float32", None, (long,), steps, kv_dtype)
+    total = engine.stats().kv_cache_bytes
+    slots = engine.stats().num_kv_pages * PAGE_SIZE
     rate = decode_rate(engine, long, steps, seed=3)
     return f"| {kv_dtype} | {total / 2**20:.0f} | {total / slots / 1e3:.1f} | {rate.cell()} |"
 
@@ -177,7 +173,6 @@ def main() -> None:
     parser.add_argument("--long-batch", type=int, default=16)
     parser.add_argument("--write-results", action="store_true")
     args = parser.parse_args()
-    enable_compilation_cache(DEFAULT_CACHE_DIR)  # reruns skip compiling
     long = Workload(args.long_batch, args.long_context)
 
     start = time.perf_counter()

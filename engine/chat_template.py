@@ -24,7 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from engine.errors import XlaserveError
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizer_base import Tokenizer
 
 
 # Gemma's template (as in Gemma 3's tokenizer_config.json, text parts only), for Gemma GGUFs

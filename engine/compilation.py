@@ -48,3 +48,13 @@ def count() -> int:
     """Backend compilations since `install()`; persistent-cache hits are not compilations."""
     with _lock:
         return _count - _hits
+
+
+def enable_persistent_cache(directory: str | None) -> None:
+    """XLA's persistent compilation cache in `directory` (None or '': off): a second start with
+    the same model and configuration loads every compiled program (each step bucket, and the
+    small ones around it) instead of compiling it."""
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

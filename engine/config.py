@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from sharding.layout import ShardingLayout
 
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8", "fp8")
@@ -166,18 +168,107 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits: per step, at most `max_num_seqs` sequences and
-    `max_num_batched_tokens` tokens; `max_model_len` bounds prompt + output."""
+    `max_num_batched_tokens` tokens; `max_model_len` bounds prompt + output (None: the
+    model's, at most DEFAULT_MAX_MODEL_LEN; see `resolve`)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_num_seqs={self.max_num_seqs} (every running sequence needs a token per step)"
             )
+
+    @property
+    def model_len(self) -> int:
+        """`max_model_len` of a resolved config."""
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is not resolved yet (SchedulerConfig.resolve)")
+        return self.max_model_len
+
+    def resolve(self, model_max_len: int) -> SchedulerConfig:
+        """This config with `max_model_len` set: as given, else the model's limit capped at
+        DEFAULT_MAX_MODEL_LEN (page tables grow with it)."""
+        if self.max_model_len is not None:
+            return self
+        return dataclasses.replace(self, max_model_len=min(model_max_len, DEFAULT_MAX_MODEL_LEN))
+
+
+DEFAULT_MAX_MODEL_LEN = 4096  # the model's own limit when smaller
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """How the engine compiles its steps.
+
+    `warm_up`: "eager" compiles every (tokens, sequences) bucket before the engine is returned;
+    "background" returns at once and leaves the buckets to `Engine.warm_up_step` (a server
+    compiles them while idle; a bucket a request needs first is compiled on the spot); "lazy"
+    compiles a bucket when first used (one-off generation). Data-parallel and multi-process
+    engines always warm up eagerly: every replica and process must hold each step before the
+    first one runs.
+    """
+
+    cache_dir: str | None = None  # XLA's persistent compilation cache; None: off
+    warm_up: str = "eager"
+    attention_impl: str | None = None  # None: the platform's kernel (pallas_kernels)
+
+    def __post_init__(self) -> None:
+        if self.warm_up not in WARM_UP_MODES:
+            raise ValueError(f"warm_up must be one of {WARM_UP_MODES}, got {self.warm_up!r}")
+
+
+WARM_UP_MODES = ("eager", "background", "lazy")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the engine spans devices and processes: a sharding layout (mesh axes and the table
+    from logical axes to them; `--tensor/pipeline/data-parallel-size` are named layouts), and,
+    for an engine over several processes, where they meet (all three given, or none)."""
+
+    layout: ShardingLayout = field(default_factory=ShardingLayout.named)
+    coordinator_address: str | None = None  # HOST:PORT of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self) -> None:
+        given = (self.coordinator_address, self.num_processes, self.process_id)
+        if any(x is None for x in given) and not all(x is None for x in given):
+            raise ValueError("coordinator address, number of processes and process id go together")
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes is not None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `engine.builder.build_engine` needs, in one hashable value.
+
+    `model`: an alias (`smollm2-135m`, `gemma3-270m`), a Hugging Face checkpoint directory, a
+    `.gguf` file or a directory written by `xlaserve convert`. `dtype` None: float32, or what a
+    converted directory holds.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str | None = None
+    quantization: QuantizationConfig | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,27 +1,30 @@
-"""The engine loop and the offline API.
-
-`LLMEngine.step()` is: schedule -> run the compiled step -> record tokens -> stop checks.
-`LLM(model).generate(prompts, params)` runs it to completion, like vLLM's offline API.
-"""
+"""The engine loop: `LLMEngine.step()` is schedule -> run the compiled step -> record tokens ->
+stop checks. Built by `engine.builder.build_engine`; the offline API is `engine.llm.LLM`."""
 
 from __future__ import annotations
 
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCacheManager, describe_kv_cache
 from engine.model_runner import ModelRunner
 from engine.models.layers import Params
 from engine.output_processor import SequenceOutput, StopDecision
+from engine.protocol import Engine, EngineStats, Health, ModelInfo
 from engine.request import (
     CompletionOutput,
     FinishReason,
@@ -65,7 +68,7 @@ class _Launched:
 
 
 @dataclass
-class EngineStats:
+class _Counters:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_computed_prompt_tokens: int = 0  # prompt tokens actually run (not from the prefix cache)
@@ -73,6 +76,9 @@ class EngineStats:
 
 
 class LLMEngine:
+    """One engine over one device or one mesh: scheduler, KV cache allocator and model runner.
+    Implements `engine.protocol.Engine`; build it with `engine.builder.build_engine`."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -87,9 +93,9 @@ class LLMEngine:
     ):
         """`mesh`: a (1, pp, tp) device mesh to shard the model over (`sharding.mesh`)."""
         self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.scheduler_config = scheduler_config or SchedulerConfig(
-            max_model_len=cfg.max_position_embeddings
+        self._tokenizer = tokenizer
+        self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(
+            cfg.max_position_embeddings
         )
         cache_config = cache_config or CacheConfig()
         self.runner = ModelRunner(
@@ -112,16 +118,74 @@ class LLMEngine:
                 self.runner.num_pages,
                 cache_config.page_size,
                 self.runner.page_bytes,
-                self.scheduler_config.max_model_len,
+                self.scheduler_config.model_len,
             )
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
-        self.stats = EngineStats()
+        self.counters = _Counters()
+        self._weight_bytes = _nbytes(self.runner.params)
+        self._kv_cache_bytes = _nbytes(self.runner.kv_caches)
+        self._failure: Health | None = None
+        self._on_close: list[Callable[[], None]] = []
         if warm_up:
             seconds = self.runner.warm_up()
             log.info("compiled %d step buckets in %.1f s", self.runner.num_compiled, seconds)
+
+    # ---- what a server may ask (engine.protocol.Engine) ------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def model_info(self) -> ModelInfo:
+        config = self.scheduler_config
+        return ModelInfo(
+            architecture=self.cfg.architecture,
+            vocab_size=self.cfg.vocab_size,
+            max_model_len=config.model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        counters = self.counters
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_prompt_tokens=counters.num_prompt_tokens,
+            num_computed_prompt_tokens=counters.num_computed_prompt_tokens,
+            num_generation_tokens=counters.num_generation_tokens,
+            num_steps=counters.num_steps,
+            num_compiled_steps=self.runner.num_compiled,
+            num_buckets=len(self.runner.shapes.all_pairs()),
+            num_kv_pages=self.runner.num_pages,
+            weight_bytes=self._weight_bytes,
+            kv_cache_bytes=self._kv_cache_bytes,
+        )
+
+    def health(self) -> Health:
+        return self._failure or Health()
+
+    def fail(self, reason: str, *, fatal: bool = False) -> None:
+        """Marks the engine unable to serve (called from any thread, e.g. a monitor that saw a
+        process of the engine die)."""
+        self._failure = Health(ok=False, reason=reason, fatal=fatal)
+
+    def warm_up_step(self) -> bool:
+        return self.runner.warm_up_one()
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        self._on_close.append(callback)
+
+    def close(self) -> None:
+        while self._on_close:
+            self._on_close.pop()()
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -142,14 +206,14 @@ class LLMEngine:
         children = [self._child(request_id, i, ids, params, priority) for i in range(params.n)]
         self.scheduler.add_request(children[0])  # raises if the request can never fit
         outputs = [
-            SequenceOutput(self.tokenizer, params, self.scheduler_config.max_model_len)
+            SequenceOutput(self.tokenizer, params, self.scheduler_config.model_len)
             for _ in children
         ]
         parent = _Parent(request_id, ids, children, outputs, pending=children[1:])
         self._parents[request_id] = parent
         for i, child in enumerate(children):
             self._child_parent[child.request_id] = (parent, i)
-        self.stats.num_prompt_tokens += len(ids)
+        self.counters.num_prompt_tokens += len(ids)
 
     def _child(
         self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int
@@ -205,8 +269,8 @@ class LLMEngine:
         result = self.runner.fetch(launched.pending)
         if result.prompt is not None:
             _record_prompt_logprobs(out, result.prompt)
-        self.stats.num_steps += 1
-        self.stats.num_computed_prompt_tokens += _prompt_tokens_run(out)
+        self.counters.num_steps += 1
+        self.counters.num_computed_prompt_tokens += _prompt_tokens_run(out)
         return self._postprocess(out, completed, result)
 
     def _postprocess(
@@ -231,7 +295,7 @@ class LLMEngine:
             if decision is not None:
                 self._finish(parent, index, decision)
             touched[parent.request_id] = parent
-            self.stats.num_generation_tokens += 1
+            self.counters.num_generation_tokens += 1
         return [self._request_output(p) for p in touched.values()]
 
     def _finish(self, parent: _Parent, index: int, decision: StopDecision) -> None:
@@ -273,6 +337,10 @@ class LLMEngine:
         )
 
 
+def _nbytes(tree: Any) -> int:
+    return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
+
+
 def _copy_if(entries: list[dict[int, float]], wanted: bool) -> list[dict[int, float]] | None:
     """A snapshot: the request's own list keeps growing on the engine thread."""
     return list(entries) if wanted else None
@@ -311,48 +379,8 @@ def _logprob_entry(result: StepOutput | SamplerOutput, row: int, k: int) -> dict
     return entry
 
 
-class LLM:
-    """Offline generation, in the spirit of vLLM's `LLM`:
-
-    llm = LLM("smollm2-135m")
-    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
-    """
-
-    def __init__(
-        self, model: str = "smollm2-135m", *, dtype: str = "float32", **engine_kwargs: Any
-    ):
-        from engine.tokenizer import load_tokenizer
-        from engine.weights import open_checkpoint, resolve_model
-
-        checkpoint = open_checkpoint(resolve_model(model), dtype=dtype)
-        tokenizer = load_tokenizer(checkpoint.files.path)
-        self.engine = LLMEngine(
-            checkpoint.cfg, checkpoint.load_params(), tokenizer, **engine_kwargs
-        )
-
-    def generate(
-        self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_tqdm: bool = False,
-    ) -> list[RequestOutput]:
-        """Generates for every prompt; returns finished outputs in the order of `prompts`."""
-        prompt_list: list[str | Sequence[int]] = (
-            [prompts] if isinstance(prompts, str) else list(prompts)
-        )
-        params = sampling_params or SamplingParams()
-        params_list = (
-            [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
-        )
-        ids = [f"offline-{i}" for i in range(len(prompt_list))]
-        for request_id, prompt, p in zip(ids, prompt_list, params_list, strict=True):
-            self.engine.add_request(request_id, prompt, p)
-        return run_to_completion(self.engine, ids, use_tqdm=use_tqdm)
-
-
 def run_to_completion(
-    engine: LLMEngine, request_ids: list[str], *, use_tqdm: bool = False
+    engine: Engine, request_ids: list[str], *, use_tqdm: bool = False
 ) -> list[RequestOutput]:
     results: dict[str, RequestOutput] = {}
     with tqdm(total=len(request_ids), disable=not use_tqdm, desc="generating") as bar:
@@ -364,4 +392,4 @@ def run_to_completion(
     return [results[i] for i in request_ids]
 
 
-__all__ = ["LLM", "FinishReason", "LLMEngine", "SamplingParams"]
+__all__ = ["FinishReason", "LLMEngine", "SamplingParams", "run_to_completion"]

@@ -105,7 +105,7 @@ class ModelRunner:
         self.shapes = BatchShapes.create(
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             max_num_seqs=scheduler_config.max_num_seqs,
-            max_model_len=scheduler_config.max_model_len,
+            max_model_len=scheduler_config.model_len,
             page_size=cache_config.page_size,
         )
         self.builder = BatchBuilder(self.shapes, cache_config.page_size, eos_token_ids)

@@ -208,3 +208,13 @@ def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
             f"prompt token id {bad[0]} is out of range for a vocabulary of {vocab_size}",
             param="prompt",
         )
+
+
+def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
+    """vLLM's wording, which clients match on."""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{max_tokens} output tokens and your prompt contains {prompt_len} input tokens, for a "
+        f"total of {prompt_len + max_tokens} tokens. Please reduce the length of the input "
+        f"prompt or the number of requested output tokens."
+    )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, Request, RequestStatus, context_length_error
 
 
 @dataclass(frozen=True)
@@ -46,16 +46,6 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
-    """vLLM's wording, which clients match on."""
-    return (
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{max_tokens} output tokens and your prompt contains {prompt_len} input tokens, for a "
-        f"total of {prompt_len + max_tokens} tokens. Please reduce the length of the input "
-        f"prompt or the number of requested output tokens."
-    )
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
         self.config = config
@@ -71,9 +61,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a request, or rejects it with the numbers if it could never fit."""
         prompt_len, max_tokens = len(request.prompt_token_ids), request.sampling_params.max_tokens
-        if prompt_len + max_tokens > self.config.max_model_len:
+        if prompt_len + max_tokens > self.config.model_len:
             raise InvalidRequestError(
-                context_length_error(self.config.max_model_len, prompt_len, max_tokens),
+                context_length_error(self.config.model_len, prompt_len, max_tokens),
                 param="input_tokens",
             )
         pages = -(-(prompt_len + max_tokens) // self.kv_cache.page_size)

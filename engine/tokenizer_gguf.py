@@ -17,7 +17,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from engine.chat_template import GEMMA_CHAT_TEMPLATE
-from engine.tokenizer import (
+from engine.tokenizer_base import (
     HFTokenizer,
     ModelProto,
     SentencePieceTokenizer,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import XlaserveError
-from engine.llm_engine import LLMEngine
+from engine.protocol import Engine
 from engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,13 +34,14 @@ class _Stream:
 
 
 class AsyncEngine:
-    """`warm_up_when_idle`: the engine's step buckets are not all compiled yet; the engine thread
-    compiles one at a time while no request is waiting (a bucket a request needs first is
-    compiled on the spot), so that a server answers as soon as its weights are loaded."""
+    """While no request is waiting, the engine thread compiles the engine's step buckets not
+    compiled yet, one at a time (`Engine.warm_up_step`; a bucket a request needs first is
+    compiled on the spot), so that a server built with background warm-up answers as soon as
+    its weights are loaded."""
 
-    def __init__(self, engine: LLMEngine, *, warm_up_when_idle: bool = False):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self._warming = warm_up_when_idle
+        self._warming = True
         self._cond = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
         self._streams: dict[str, _Stream] = {}
@@ -54,7 +55,12 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive() and not self._stopping
+        return (
+            self.error is None
+            and self._thread.is_alive()
+            and not self._stopping
+            and self.engine.health().ok
+        )
 
     async def generate(
         self,
@@ -101,11 +107,6 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def fail(self, error: BaseException) -> None:
-        """Marks the engine failed from outside its loop (a multi-process follower died): it
-        stops taking requests and reports unhealthy."""
-        self.error = error
-
     def abort(self, request_id: str) -> None:
         def abort() -> None:
             self._streams.pop(request_id, None)
@@ -125,6 +126,7 @@ class AsyncEngine:
                 self._inbox.append(self._abort_all)
                 self._cond.notify()
             self._thread.join()
+        self.engine.close()
 
     # ---- the engine thread -------------------------------------------------------------------
 
@@ -160,9 +162,9 @@ class AsyncEngine:
         for operation in operations:
             operation()
         if not operations and not self.engine.has_unfinished_requests():
-            self._warming = self.engine.runner.warm_up_one()
+            self._warming = self.engine.warm_up_step()
             if not self._warming:
-                log.info("all %d step buckets compiled", self.engine.runner.num_compiled)
+                log.info("all %d step buckets compiled", self.engine.stats().num_buckets)
             return True
         for output in self.engine.step():
             self._deliver(output)

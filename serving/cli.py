@@ -11,15 +11,22 @@ import logging
 import os
 import re
 import sys
-import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
-from engine.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from engine.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ParallelConfig,
+    QuantizationConfig,
+    SchedulerConfig,
+)
 from engine.errors import XlaserveError
-
-if TYPE_CHECKING:
-    from engine.config import QuantizationConfig
+from sharding.layout import ShardingLayout
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CACHE_DIR = os.path.join(
@@ -62,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help=f"prompt + answer tokens (default: min(model's, {DEFAULT_MAX_MODEL_LEN}))",
+    )
     gen.set_defaults(run=_generate)
     _add_serve_parser(commands)
     _add_convert_parser(commands)
@@ -88,7 +101,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     from engine.weights import convert
 
-    convert(args.model, Path(args.output), dtype=args.dtype, quantization=quantization_config(args))
+    quantization = QuantizationConfig(args.quantization) if args.quantization else None
+    convert(args.model, Path(args.output), dtype=args.dtype, quantization=quantization)
     print(f"wrote {args.output}; serve it with --model {args.output}")
     return 0
 
@@ -102,7 +116,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", default=None, help="model id (default: --model)")
     serve.add_argument(
-        "--max-model-len", type=_positive_int, default=None, help="default: min(model's, 4096)"
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help=f"default: min(model's, {DEFAULT_MAX_MODEL_LEN})",
     )
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
@@ -166,6 +183,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="pipeline stages that split the layers",
     )
     group.add_argument(
+        "--sharding-layout",
+        default=None,
+        metavar="FILE",
+        help="a sharding layout (.json or .yaml): mesh axes and sizes, and the logical axis -> "
+        "mesh axis rules (README: Custom sharding layouts); replaces the parallel sizes",
+    )
+    group.add_argument(
         "--coordinator-address",
         default=None,
         help="HOST:PORT of process 0, for an engine over several processes (found "
@@ -176,9 +200,103 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from serving.serve import run_serve
+    from serving.serve import ServeOptions, run_serve
 
-    return run_serve(args)
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name or args.model,
+        max_queued_requests=args.max_queued_requests,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        verbose=args.verbose,
+    )
+    return run_serve(serve_config(args), options)
+
+
+def serve_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine `xlaserve serve` builds from its flags."""
+    return _engine_config(
+        args,
+        cache=lambda: CacheConfig(
+            memory_bytes=args.kv_cache_memory,
+            memory_fraction=args.gpu_memory_utilization,
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
+        scheduler=lambda: SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        ),
+        parallel=lambda: ParallelConfig(
+            _layout(args),
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        ),
+        warm_up=args.warm_up,
+    )
+
+
+def generate_config(args: argparse.Namespace) -> EngineConfig:
+    """One request: a small engine, compiled on demand, with a cache for one whole sequence."""
+    max_model_len = args.max_model_len or DEFAULT_MAX_MODEL_LEN
+    return _engine_config(
+        args,
+        cache=lambda: CacheConfig(
+            GENERATE_PAGE_SIZE,
+            num_pages=-(-max_model_len // GENERATE_PAGE_SIZE),
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
+        scheduler=lambda: SchedulerConfig(
+            max_num_seqs=1, max_num_batched_tokens=256, max_model_len=args.max_model_len
+        ),
+        parallel=ParallelConfig,
+        warm_up="lazy",
+    )
+
+
+GENERATE_PAGE_SIZE = 16
+
+
+def _engine_config(
+    args: argparse.Namespace,
+    *,
+    cache: Callable[[], CacheConfig],
+    scheduler: Callable[[], SchedulerConfig],
+    parallel: Callable[[], ParallelConfig],
+    warm_up: str,
+) -> EngineConfig:
+    """The flags as one EngineConfig; a value the config refuses is a one-line error."""
+    try:
+        return EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            quantization=QuantizationConfig(args.quantization) if args.quantization else None,
+            cache=cache(),
+            scheduler=scheduler(),
+            parallel=parallel(),
+            compilation=CompilationConfig(
+                cache_dir=args.compilation_cache_dir or None, warm_up=warm_up
+            ),
+        )
+    except (ValueError, OSError) as e:
+        raise XlaserveError(str(e)) from e
+
+
+def _layout(args: argparse.Namespace) -> ShardingLayout:
+    sizes = (args.data_parallel_size, args.pipeline_parallel_size, args.tensor_parallel_size)
+    if args.sharding_layout is None:
+        dp, pp, tp = sizes
+        return ShardingLayout.named(dp=dp, pp=pp, tp=tp)
+    if sizes != (1, 1, 1):
+        raise ValueError(
+            "give either --sharding-layout or the --*-parallel-size flags (a layout file names "
+            "its own mesh axes and sizes)"
+        )
+    return ShardingLayout.from_file(args.sharding_layout)
 
 
 _BYTE_UNITS = {
@@ -270,20 +388,12 @@ def _non_negative_float(text: str) -> float:
 
 def _generate(args: argparse.Namespace) -> int:
     # Imported here so that `xlaserve --help` and argument errors answer without loading JAX.
+    from engine.builder import build_engine
     from engine.chat_template import render_chat
-    from engine.config import CacheConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
-    from engine.tokenizer import load_tokenizer
-    from engine.weights import open_checkpoint, resolve_model
 
-    enable_compilation_cache(args.compilation_cache_dir)
-    checkpoint = open_checkpoint(resolve_model(args.model), dtype=args.dtype)
-    tokenizer = load_tokenizer(checkpoint.files.path)
-    start = time.perf_counter()
-    params = checkpoint.load_params(quantization=quantization_config(args))
-    log.info("loaded %s in %.1f s", checkpoint.files.path, time.perf_counter() - start)
-
+    engine = build_engine(generate_config(args))
+    tokenizer = engine.tokenizer
     if args.chat is not None:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.chat})
@@ -301,23 +411,6 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
-    # One request: a small engine, compiled on demand (a server compiles every bucket up front).
-    max_model_len = min(checkpoint.cfg.max_position_embeddings, 4096)
-    page_size = 16
-    engine = LLMEngine(
-        checkpoint.cfg,
-        params,
-        tokenizer,
-        warm_up=False,
-        cache_config=CacheConfig(
-            page_size,
-            num_pages=-(-max_model_len // page_size),
-            kv_cache_dtype=args.kv_cache_dtype,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=1, max_num_batched_tokens=256, max_model_len=max_model_len
-        ),
-    )
     engine.add_request("cli", prompt_ids, sampling)
     printed = 0
     while engine.has_unfinished_requests():
@@ -327,24 +420,6 @@ def _generate(args: argparse.Namespace) -> int:
             printed = len(text)
     print()
     return 0
-
-
-def quantization_config(args: argparse.Namespace) -> QuantizationConfig | None:
-    from engine.config import QuantizationConfig
-
-    return QuantizationConfig(args.quantization) if args.quantization else None
-
-
-def enable_compilation_cache(directory: str) -> None:
-    """XLA's persistent compilation cache: a second start with the same model and flags loads
-    every compiled program (each step bucket, and the small ones around it) instead of
-    compiling it, so that it compiles nothing."""
-    import jax
-
-    if directory:
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 if __name__ == "__main__":

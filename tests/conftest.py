@@ -15,10 +15,14 @@ PAGE = 4  # small pages, so that short sequences cross many page boundaries
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-    checkpoint = open_checkpoint(resolve_model(str(directory)))
-    return checkpoint.cfg, checkpoint.load_params(), load_tokenizer(directory)
+def tiny_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    checkpoint = open_checkpoint(resolve_model(str(tiny_dir)))
+    return checkpoint.cfg, checkpoint.load_params(), load_tokenizer(tiny_dir)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,6 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
 from engine.request import RequestOutput
-from engine.tokenizer import Tokenizer
 from serving.async_engine import AsyncEngine, EngineDeadError
 from serving.grpc.convert import (
     StreamDeltas,
@@ -50,9 +49,10 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 class GenerationService(pb2_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str):
+    def __init__(self, engine: AsyncEngine, served_model_name: str):
         self._engine = engine
-        self._tokenizer = tokenizer
+        self._tokenizer = engine.engine.tokenizer
+        self._info = engine.engine.model_info()
         self._model_name = served_model_name
 
     async def Generate(
@@ -85,7 +85,7 @@ class GenerationService(pb2_grpc.GenerationServicer):
         return pb2.TokenizeResponse(
             token_ids=ids,
             count=len(ids),
-            max_model_len=self._engine.engine.scheduler_config.max_model_len,
+            max_model_len=self._info.max_model_len,
         )
 
     async def Detokenize(
@@ -101,16 +101,16 @@ class GenerationService(pb2_grpc.GenerationServicer):
     async def GetModelInfo(
         self, request: pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb2.ModelInfo:
-        engine = self._engine.engine
+        info = self._info
         return pb2.ModelInfo(
             model=self._model_name,
-            architecture=engine.cfg.architecture,
-            max_model_len=engine.scheduler_config.max_model_len,
-            vocab_size=engine.cfg.vocab_size,
+            architecture=info.architecture,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
             bos_token_id=self._tokenizer.bos_token_id,
             eos_token_ids=self._tokenizer.eos_token_ids,
             has_chat_template=self._tokenizer.chat_template is not None,
-            max_num_seqs=engine.scheduler_config.max_num_seqs,
+            max_num_seqs=info.max_num_seqs,
         )
 
 
@@ -145,7 +145,6 @@ class AioGrpcServer:
 
 async def serve_grpc(
     async_engine: AsyncEngine,
-    tokenizer: Tokenizer,
     port: int,
     served_model_name: str,
     *,
@@ -154,7 +153,7 @@ async def serve_grpc(
     """Starts the gRPC server on the running event loop, listening on host:port."""
     # Without SO_REUSEPORT a port that is already taken fails here instead of being shared.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    service = GenerationService(async_engine, tokenizer, served_model_name)
+    service = GenerationService(async_engine, served_model_name)
     pb2_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -230,7 +229,6 @@ class GrpcServerHandle:
 
 def start_grpc_server(
     async_engine: AsyncEngine,
-    tokenizer: Tokenizer,
     port: int,
     served_model_name: str,
     *,
@@ -241,7 +239,7 @@ def start_grpc_server(
     handle = GrpcServerHandle()
 
     def start() -> Awaitable[AioGrpcServer]:
-        return serve_grpc(async_engine, tokenizer, port, served_model_name, host=host)
+        return serve_grpc(async_engine, port, served_model_name, host=host)
 
     handle._thread = threading.Thread(target=handle._run, args=(start,), name="grpc-server")
     handle._thread.daemon = True

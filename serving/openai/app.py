@@ -10,7 +10,6 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
-from engine.tokenizer import Tokenizer
 from serving.async_engine import AsyncEngine
 from serving.openai import chat, completions
 from serving.openai.errors import APIError, BodySizeLimit, install_error_handlers
@@ -23,7 +22,6 @@ log = logging.getLogger(__name__)
 
 def create_app(
     async_engine: AsyncEngine | None,
-    tokenizer: Tokenizer | None,
     served_model_name: str,
     *,
     api_key: str | None = None,
@@ -33,8 +31,8 @@ def create_app(
     app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None, openapi_url=None)
     limits = ServerLimits(api_key, max_queued_requests, max_body_bytes)
     app.state.server = ServerState(served_model_name, limits)
-    if async_engine is not None and tokenizer is not None:
-        attach_engine(app, async_engine, tokenizer)
+    if async_engine is not None:
+        attach_engine(app, async_engine)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     guarded = [Depends(_check_api_key)]
@@ -56,9 +54,9 @@ def _mount_chat_page(app: FastAPI) -> None:
     mount_chat_page(app)
 
 
-def attach_engine(app: FastAPI, async_engine: AsyncEngine, tokenizer: Tokenizer) -> None:
+def attach_engine(app: FastAPI, async_engine: AsyncEngine) -> None:
     """Makes a loaded engine serve (the app answers 503 "loading" until then)."""
-    _state_of(app).attach(async_engine, tokenizer)
+    _state_of(app).attach(async_engine)
 
 
 def _state_of(app: Any) -> ServerState:

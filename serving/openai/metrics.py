@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine import compilation
-from engine.llm_engine import LLMEngine
+from engine.protocol import Engine
 from engine.request import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,7 +26,7 @@ class _EngineCollector(Collector):
     """Reads the engine's counters at scrape time (plain ints and lengths: safe to read from
     the server thread while the engine thread steps)."""
 
-    def __init__(self, engine: Callable[[], LLMEngine | None], model_name: str):
+    def __init__(self, engine: Callable[[], Engine | None], model_name: str):
         self._engine = engine
         self._labels = {"model_name": model_name}
 
@@ -34,21 +34,26 @@ class _EngineCollector(Collector):
         engine = self._engine()
         if engine is None:
             return
-        scheduler, kv, stats = engine.scheduler, engine.kv_cache, engine.stats
+        stats = engine.stats()
         gauges = [
-            ("num_requests_running", "Sequences in the running batch.", scheduler.num_running),
-            ("num_requests_waiting", "Sequences waiting to be scheduled.", scheduler.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV cache pages in use (0 to 1).", kv.usage),
-            ("num_compiled_steps", "Compiled step variants.", engine.runner.num_compiled),
+            ("num_requests_running", "Sequences in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV cache pages in use (0 to 1).",
+                stats.kv_cache_usage,
+            ),
+            ("num_compiled_steps", "Compiled step variants.", stats.num_compiled_steps),
         ]
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             kv.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_cache_hits),
+             stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             stats.prefix_cache_hits),
             ("prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens),
             ("generation_tokens", "Tokens generated.", stats.num_generation_tokens),
             ("num_preemptions", "Requests preempted for lack of KV pages.",
-             scheduler.num_preemptions),
+             stats.num_preemptions),
             ("compilations", "XLA compilations in this process.", compilation.count()),
         ]  # fmt: skip
         for name, doc, value in gauges:
@@ -63,7 +68,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: Callable[[], LLMEngine | None], model_name: str):
+    def __init__(self, engine: Callable[[], Engine | None], model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         self._model = model_name

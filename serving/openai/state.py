@@ -6,9 +6,14 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput, SamplingParams, validate_prompt, validate_token_ids
-from engine.scheduler import context_length_error
+from engine.protocol import Engine, ModelInfo
+from engine.request import (
+    RequestOutput,
+    SamplingParams,
+    context_length_error,
+    validate_prompt,
+    validate_token_ids,
+)
 from engine.tokenizer import Tokenizer
 from serving.async_engine import AsyncEngine
 from serving.openai.errors import APIError
@@ -31,15 +36,14 @@ class ServerState:
         self.limits = limits
         self.created = int(time.time())
         self.async_engine: AsyncEngine | None = None
-        self.tokenizer: Tokenizer | None = None
         self.num_queued = 0
-        self.metrics = ServerMetrics(self._llm_engine, served_model_name)
+        self.metrics = ServerMetrics(self._engine, served_model_name)
 
-    def attach(self, async_engine: AsyncEngine, tokenizer: Tokenizer) -> None:
+    def attach(self, async_engine: AsyncEngine) -> None:
         self.async_engine = async_engine
-        self.tokenizer = tokenizer
+        self._model_info = async_engine.engine.model_info()
 
-    def _llm_engine(self) -> LLMEngine | None:
+    def _engine(self) -> Engine | None:
         return self.async_engine.engine if self.async_engine is not None else None
 
     # ---- checks, in the order handlers make them ---------------------------------------------
@@ -49,23 +53,24 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     def ready(self) -> tuple[AsyncEngine, Tokenizer]:
-        if self.async_engine is None or self.tokenizer is None:
+        if self.async_engine is None:
             raise APIError(503, "the model is still loading; retry shortly")
         if not self.async_engine.is_healthy:
             raise APIError(503, "the engine is not serving (stopped or failed); see the logs")
-        return self.async_engine, self.tokenizer
+        return self.async_engine, self.async_engine.engine.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The attached engine's (handlers ask only after `ready`)."""
+        return self._model_info
 
     @property
     def max_model_len(self) -> int:
-        engine = self._llm_engine()
-        assert engine is not None
-        return engine.scheduler_config.max_model_len
+        return self.model_info.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        engine = self._llm_engine()
-        assert engine is not None
-        return engine.cfg.vocab_size
+        return self.model_info.vocab_size
 
     def check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Everything the engine would refuse, refused before a stream begins."""

@@ -121,9 +121,9 @@ def test_prefix_cache_skips_shared_pages(tiny, engine: LLMEngine) -> None:
     shared = random_prompt(rng, 3 * PAGE)
     first, second = shared + random_prompt(rng, 5), shared + random_prompt(rng, 7)
     generate(engine, [first], [greedy(4)])
-    before = engine.stats.num_computed_prompt_tokens
+    before = engine.stats().num_computed_prompt_tokens
     [output] = generate(engine, [second], [greedy(4)])
-    assert engine.stats.num_computed_prompt_tokens - before == len(second) - 3 * PAGE
+    assert engine.stats().num_computed_prompt_tokens - before == len(second) - 3 * PAGE
     assert output.num_cached_tokens == 3 * PAGE
     assert output.outputs[0].token_ids == oracle(tiny, second, 4)
 
@@ -165,12 +165,12 @@ def test_n_sequences_share_the_prompt(engine: LLMEngine) -> None:
     rng = random.Random(5)
     prompt = random_prompt(rng, 3 * PAGE + 1)
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
-    before = engine.stats.num_computed_prompt_tokens
+    before = engine.stats().num_computed_prompt_tokens
     [output] = generate(engine, [prompt], [params])
     assert [o.index for o in output.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in output.outputs}) > 1
     # The first sequence computes the prompt; the others find its full pages in the cache.
-    assert engine.stats.num_computed_prompt_tokens - before < 3 * len(prompt)
+    assert engine.stats().num_computed_prompt_tokens - before < 3 * len(prompt)
 
 
 def test_no_compilation_after_warm_up(engine: LLMEngine) -> None:

@@ -15,28 +15,22 @@ from tests.engine.tiny_model import write_tiny_checkpoint
 START = """
 import json, sys
 from engine import compilation
-from engine.config import CacheConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
+from engine.builder import build_engine
+from engine.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig
 from engine.request import SamplingParams
-from engine.tokenizer import load_tokenizer
-from engine.weights import open_checkpoint, resolve_model
-from serving.cli import enable_compilation_cache
 
 model, cache_dir = sys.argv[1:]
-enable_compilation_cache(cache_dir)
-compilation.install()
-checkpoint = open_checkpoint(resolve_model(model))
-engine = LLMEngine(
-    checkpoint.cfg,
-    checkpoint.load_params(),
-    load_tokenizer(checkpoint.files.path),
-    cache_config=CacheConfig(16, num_pages=32),
-    scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128),
-)
+engine = build_engine(EngineConfig(
+    model,
+    cache=CacheConfig(16, num_pages=32),
+    scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128),
+    compilation=CompilationConfig(cache_dir=cache_dir),
+))
 engine.add_request("a", "hello", SamplingParams(max_tokens=4, temperature=0.0))
 while engine.has_unfinished_requests():
     engine.step()
-print(json.dumps({"compilations": compilation.count(), "buckets": engine.runner.num_compiled}))
+compiled = engine.stats().num_compiled_steps
+print(json.dumps({"compilations": compilation.count(), "buckets": compiled}))
 """
 
 

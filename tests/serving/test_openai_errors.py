@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from engine.tokenizer import load_tokenizer
+from engine.protocol import ModelInfo
+from engine.tokenizer import Tokenizer, load_tokenizer
 from serving.openai import create_app
 from tests.engine.tiny_model import write_byte_tokenizer
 from tests.serving.openai_server import API_KEY
@@ -181,9 +182,9 @@ def test_unknown_path_and_method(http) -> None:
 class _StuckEngine:
     """Stands in for AsyncEngine: accepts requests and never answers them."""
 
-    def __init__(self) -> None:
-        cfg = SimpleNamespace(vocab_size=260)
-        self.engine = SimpleNamespace(cfg=cfg, scheduler_config=SimpleNamespace(max_model_len=64))
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        info = ModelInfo("llama", 260, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=8)
+        self.engine = SimpleNamespace(tokenizer=tokenizer, model_info=lambda: info)
         self.is_healthy = True
 
     async def generate(self, request_id, prompt, params, *, priority=0):
@@ -200,7 +201,7 @@ def byte_tokenizer(tmp_path_factory):
 
 def test_health_and_requests_answer_503_while_loading(byte_tokenizer) -> None:
     async def main() -> None:
-        app = create_app(None, None, "tiny")
+        app = create_app(None, "tiny")
         async with _client(app) as client:
             assert (await client.get("/health")).status_code == 503
             response = await client.post(CMPL, json=cmpl())
@@ -212,7 +213,8 @@ def test_health_and_requests_answer_503_while_loading(byte_tokenizer) -> None:
 
 def test_more_than_max_queued_requests_get_503(byte_tokenizer) -> None:
     async def main() -> None:
-        app = create_app(_StuckEngine(), byte_tokenizer, "tiny", max_queued_requests=1)  # type: ignore[arg-type]
+        stuck_engine = _StuckEngine(byte_tokenizer)
+        app = create_app(stuck_engine, "tiny", max_queued_requests=1)  # type: ignore[arg-type]
         async with _client(app) as client:
             stuck = asyncio.create_task(client.post(CMPL, json=cmpl()))
             await asyncio.sleep(0.2)

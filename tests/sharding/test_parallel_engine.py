@@ -10,9 +10,10 @@ import jax
 import numpy as np
 import pytest
 
+from engine.data_parallel import DataParallelEngine
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.step import forward_logits
-from sharding.data_parallel import DataParallelEngine
+from sharding.layout import ShardingLayout
 from sharding.mesh import make_mesh, replica_meshes
 from sharding.multihost import put_replicated
 from tests.sharding.conftest import CACHE, GREEDY, PROMPTS, SCHEDULER, build_engine
@@ -102,16 +103,22 @@ def check_bytes_per_device(engine: LLMEngine, shards: int) -> None:
 
 def test_data_parallel_replicas_match_single_device(tiny, single_device) -> None:
     cfg, params, tokenizer = tiny
-    mesh = make_mesh(dp=2, devices=jax.devices()[:2])
-    engine = DataParallelEngine(
-        cfg,
-        params,
-        tokenizer,
-        meshes=replica_meshes(mesh),
-        cache_config=CACHE,
-        scheduler_config=SCHEDULER,
-        warm_up=False,
-    )
+    layout = ShardingLayout.named(dp=2)
+    mesh = make_mesh(layout, jax.devices()[:2])
+    replicas = [
+        LLMEngine(
+            cfg,
+            params,
+            tokenizer,
+            cache_config=CACHE,
+            scheduler_config=SCHEDULER,
+            warm_up=False,
+            mesh=replica,
+            layout=layout,
+        )
+        for replica in replica_meshes(mesh, layout)
+    ]
+    engine = DataParallelEngine(replicas)
     assert_same(generate(engine), single_device[1])
-    assert all(r.stats.num_steps > 0 for r in engine.replicas)  # both served requests
-    assert engine.stats.num_generation_tokens == len(PROMPTS) * GREEDY.max_tokens
+    assert all(r.stats().num_steps > 0 for r in engine.replicas)  # both served requests
+    assert engine.stats().num_generation_tokens == len(PROMPTS) * GREEDY.max_tokens

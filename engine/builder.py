@@ -1,0 +1,131 @@
+"""`build_engine(config)`: the one way to put an engine together, used by the offline `LLM`,
+`xlaserve generate`, `xlaserve serve` (HTTP and gRPC) and the benchmarks.
+
+It opens the checkpoint and its tokenizer, lays the devices out as the config's sharding layout
+says, loads the parameters onto them, and returns an `Engine`: one `LLMEngine`, or data-parallel
+replicas of it. In an engine over several processes (TPU pods, multi-GPU hosts), process 0 gets
+the engine and every other process calls `run_follower`, which runs the steps process 0 sends.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+
+from engine import compilation
+from engine.config import EngineConfig
+from engine.data_parallel import DataParallelEngine
+from engine.errors import XlaserveError
+from engine.llm_engine import LLMEngine
+from engine.protocol import Engine
+from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.weights import Checkpoint, open_checkpoint, resolve_model
+from sharding import multihost
+from sharding.mesh import make_mesh, replica_meshes
+from sharding.rules import ShardingPlan
+
+log = logging.getLogger(__name__)
+
+
+def start_processes(config: EngineConfig) -> bool:
+    """Joins the other processes of a multi-process engine (jax.distributed; found
+    automatically on a multi-host Cloud TPU). True in the process that leads: the one that
+    builds the engine and serves; the others call `run_follower`. Call before anything else
+    touches JAX's devices."""
+    parallel = config.parallel
+    multihost.initialize(parallel.coordinator_address, parallel.num_processes, parallel.process_id)
+    return multihost.is_leader()
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Builds (and, unless `config.compilation.warm_up` says otherwise, compiles) the engine
+    `config` describes. Raises XlaserveError, with one line naming the problem, for a model or
+    configuration that cannot be served."""
+    engine = _build(config)
+    if jax.process_count() > 1:
+        assert isinstance(engine, LLMEngine)  # no data parallelism across processes
+        _lead(engine)
+    return engine
+
+
+def run_follower(config: EngineConfig) -> None:
+    """A follower process: builds the same engine as the leader, then runs every step the
+    leader sends until it stops."""
+    multihost.start_heartbeat()
+    engine = _build(config)
+    assert isinstance(engine, LLMEngine)
+    log.info("process %d following process 0", jax.process_index())
+    multihost.follow(engine.runner)
+
+
+def _build(config: EngineConfig) -> LLMEngine | DataParallelEngine:
+    compilation.install()
+    compilation.enable_persistent_cache(config.compilation.cache_dir)
+    start = time.perf_counter()
+    checkpoint = open_checkpoint(resolve_model(config.model), dtype=config.dtype)
+    tokenizer = load_tokenizer(checkpoint.files.path)
+    log.info("start-up: opened %s and its tokenizer in %.1f s", config.model, _since(start))
+    engine = _engines(config, checkpoint, tokenizer)
+    stats = engine.stats()
+    log.info(
+        "start-up: engine ready in %.1f s, %d of %d step buckets compiled (%d XLA compilations "
+        "so far; a warm compilation cache makes that 0)",
+        _since(start),
+        stats.num_compiled_steps,
+        stats.num_buckets,
+        compilation.count(),
+    )
+    return engine
+
+
+def _engines(
+    config: EngineConfig, checkpoint: Checkpoint, tokenizer: Tokenizer
+) -> LLMEngine | DataParallelEngine:
+    layout = config.parallel.layout
+    multi = jax.process_count() > 1
+    # Replicas and followers must hold every step before the first one runs.
+    warm_up = config.compilation.warm_up == "eager" or multi or layout.num_replicas > 1
+    engine = functools.partial(
+        LLMEngine,
+        checkpoint.cfg,
+        tokenizer=tokenizer,
+        cache_config=config.cache,
+        scheduler_config=config.scheduler,
+        attention_impl=config.compilation.attention_impl,
+        warm_up=warm_up,
+    )
+    if layout.num_devices == 1 and not multi:
+        return engine(checkpoint.load_params(quantization=config.quantization, progress=True))
+    devices = None if multi else jax.devices()[: layout.num_devices]
+    meshes = replica_meshes(make_mesh(layout, devices), layout)
+    if len(meshes) > 1 and multi:
+        raise XlaserveError("data parallelism across processes: run one server per replica")
+    replicas = []
+    for mesh in meshes:
+        plan = ShardingPlan.create(mesh, checkpoint.cfg, layout)
+        params = checkpoint.load_params(plan, config.quantization)
+        replicas.append(engine(params, mesh=mesh, layout=layout))
+    return replicas[0] if len(replicas) == 1 else DataParallelEngine(replicas)
+
+
+def _lead(engine: LLMEngine) -> None:
+    """Process 0 of a multi-process engine: each step goes to the followers first, and a
+    follower that stops responding fails the engine for good."""
+    leader = multihost.Leader()
+    engine.runner.before_step = leader.send
+    leader.wait_for_followers()
+    engine.on_close(leader.stop)
+
+    def dead(process_id: int) -> None:
+        reason = f"process {process_id} of the engine stopped responding"
+        log.error("%s; the engine cannot go on", reason)
+        engine.fail(reason, fatal=True)
+
+    multihost.monitor_followers(dead)
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start

@@ -1,0 +1,104 @@
+"""The `Engine` protocol: everything a server (HTTP, gRPC) or an offline driver may ask of an
+engine. `engine.builder.build_engine(config)` returns one; a single engine (`LLMEngine`) and
+data-parallel replicas (`DataParallelEngine`) both implement it, and nothing outside `engine/`
+reaches past it.
+
+Threading: `add_request`, `abort_request`, `step` and `warm_up_step` are called from one thread
+(the engine loop's). `stats`, `health` and `model_info` may be called from any thread: they read
+plain numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.request import RequestOutput, SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What clients may know about the served model and the engine's limits."""
+
+    architecture: str
+    vocab_size: int
+    max_model_len: int  # prompt + output tokens of one sequence
+    max_num_seqs: int  # sequences per step
+    max_num_batched_tokens: int  # tokens per step
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and counters (counters only grow)."""
+
+    num_running: int = 0  # sequences in the running batch
+    num_waiting: int = 0  # sequences waiting to be scheduled (new or preempted)
+    kv_cache_usage: float = 0.0  # fraction of KV pages in use, 0 to 1
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # prompt tokens found there
+    num_prompt_tokens: int = 0  # prompt tokens received
+    num_computed_prompt_tokens: int = 0  # prompt tokens run (not taken from the prefix cache)
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    num_compiled_steps: int = 0  # step executables compiled (all buckets and variants)
+    num_buckets: int = 0  # step buckets a full warm-up compiles
+    num_kv_pages: int = 0  # pages of the KV cache (of each replica)
+    weight_bytes: int = 0  # the parameters' bytes (of one replica, all shards)
+    kv_cache_bytes: int = 0  # the KV cache's bytes (of one replica, all shards)
+
+
+@dataclass(frozen=True)
+class Health:
+    """`ok` False: the engine cannot serve, for `reason`. `fatal`: it never will again (a
+    process of a multi-process engine died); the server should stop."""
+
+    ok: bool = True
+    reason: str = ""
+    fatal: bool = False
+
+
+class Engine(Protocol):
+    """An inference engine driven one step at a time."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def model_info(self) -> ModelInfo: ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> None:
+        """Queues a request (lower `priority` values are served first); raises
+        InvalidRequestError, naming the problem, for one that can never be served."""
+        ...
+
+    def abort_request(self, request_id: str) -> None:
+        """Drops a request (unknown ids are ignored); its pages are freed."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of the requests that made progress."""
+        ...
+
+    def warm_up_step(self) -> bool:
+        """Compiles one step bucket not compiled yet; False when every bucket is. A server
+        calls it while idle, so that it can answer before the whole warm-up is done."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def health(self) -> Health: ...
+
+    def close(self) -> None:
+        """Releases what the engine holds outside this process (multi-process followers)."""
+        ...
