@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from engine.config import ModelConfig
 from engine.errors import XlaserveError
+from engine.models.attention import AttentionMetadata
 from engine.models.layers import Params
 from engine.models.registry import ModelFamily
-from engine.step import AttentionMetadata
 from sharding.rules import ShardingPlan
 
 
