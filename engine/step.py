@@ -78,7 +78,7 @@ def _forward(
     meta = AttentionMetadata(
         batch.slot_mapping, batch.kv_lens, batch.page_table, batch.cu_q_lens, batch.num_seqs
     )
-    if plan is not None and plan.pp > 1:
+    if plan is not None and plan.num_stages > 1:
         return pipeline.forward(
             registry.family(cfg), params, kv_caches, batch.token_ids, batch.positions, meta,
             attend, plan=plan, cfg=cfg,

@@ -193,6 +193,7 @@ def _build_engine(
     from engine.llm_engine import LLMEngine
     from serving.cli import quantization_config
     from sharding.data_parallel import DataParallelEngine
+    from sharding.layout import ShardingLayout
     from sharding.mesh import make_mesh, replica_meshes
     from sharding.rules import ShardingPlan
 
@@ -200,16 +201,20 @@ def _build_engine(
     if dp * tp * pp == 1 and jax.process_count() == 1:
         params = checkpoint.load_params(quantization=quantization_config(args), progress=True)
         return LLMEngine(checkpoint.cfg, params, tokenizer, **kwargs)
-    devices = jax.devices()[: dp * tp * pp] if jax.process_count() == 1 else None
-    meshes = replica_meshes(make_mesh(dp=dp, tp=tp, pp=pp, devices=devices))
+    layout = ShardingLayout.named(dp=dp, pp=pp, tp=tp)
+    devices = jax.devices()[: layout.num_devices] if jax.process_count() == 1 else None
+    meshes = replica_meshes(make_mesh(layout, devices), layout)
     if dp > 1:
         if jax.process_count() > 1:
             raise XlaserveError("data parallelism across processes: run one server per replica")
-        params = [checkpoint.load_params(ShardingPlan.create(m, checkpoint.cfg)) for m in meshes]
-        return DataParallelEngine(checkpoint.cfg, params, tokenizer, meshes=meshes, **kwargs)
-    plan = ShardingPlan.create(meshes[0], checkpoint.cfg)
+        plans = [ShardingPlan.create(m, checkpoint.cfg, layout) for m in meshes]
+        params = [checkpoint.load_params(plan) for plan in plans]
+        return DataParallelEngine(
+            checkpoint.cfg, params, tokenizer, meshes=meshes, layout=layout, **kwargs
+        )
+    plan = ShardingPlan.create(meshes[0], checkpoint.cfg, layout)
     params = checkpoint.load_params(plan, quantization_config(args))
-    engine = LLMEngine(checkpoint.cfg, params, tokenizer, mesh=meshes[0], **kwargs)
+    engine = LLMEngine(checkpoint.cfg, params, tokenizer, mesh=meshes[0], layout=layout, **kwargs)
     return engine
 
 
