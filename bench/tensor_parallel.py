@@ -84,19 +84,21 @@ def measure(tp: int, repeats: int) -> tuple[int, float, float]:
     from engine.config import CacheConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
+    from sharding.layout import ShardingLayout
     from sharding.mesh import make_mesh
     from tests.pallas_kernels.test_export_step import random_params
 
     global CFG
     CFG = CFG or config()
-    mesh = make_mesh(tp=tp, devices=jax.devices()[:tp]) if tp > 1 else None
+    layout = ShardingLayout.named(tp=tp) if tp > 1 else None
+    mesh = make_mesh(layout, jax.devices()[:tp]) if layout is not None else None
     engine = LLMEngine(
         CFG, random_params(CFG), byte_tokenizer(),
         cache_config=CacheConfig(page_size=16, num_pages=256),
         scheduler_config=SchedulerConfig(
             max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024
         ),
-        warm_up=False, mesh=mesh,
+        warm_up=False, mesh=mesh, layout=layout,
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=repeats + 3, ignore_eos=True)
     for i in range(8):

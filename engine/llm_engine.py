@@ -38,6 +38,7 @@ from engine.sampling import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step import StepOutput
 from engine.tokenizer import Tokenizer
+from sharding.layout import ShardingLayout
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,9 @@ class LLMEngine:
         attention_impl: str | None = None,
         warm_up: bool = True,
         mesh: Mesh | None = None,
+        layout: ShardingLayout | None = None,
     ):
-        """`mesh`: a (1, pp, tp) device mesh to shard the model over (`sharding.mesh`)."""
+        """`mesh`: a device mesh to shard the model over as `layout` says (`sharding.mesh`)."""
         self.cfg = cfg
         self._tokenizer = tokenizer
         self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(
@@ -106,6 +108,7 @@ class LLMEngine:
             attention_impl=attention_impl,
             eos_token_ids=tokenizer.eos_token_ids,
             mesh=mesh,
+            layout=layout,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_pages,

@@ -24,6 +24,7 @@ from engine.request import MAX_LOGPROBS
 from engine.scheduler import SchedulerOutput
 from engine.step import StepInput, StepOptions, StepOutput, jitted_step, step
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
+from sharding.layout import ShardingLayout
 from sharding.multihost import put_replicated
 from sharding.rules import ShardingPlan
 
@@ -59,11 +60,21 @@ def num_pages_for(cache: CacheConfig, page_bytes: int) -> int:
         raise XlaserveError(str(e)) from e
 
 
+def _sharding_plan(
+    cfg: ModelConfig, mesh: Mesh | None, layout: ShardingLayout | None
+) -> ShardingPlan | None:
+    if mesh is None and layout is None:
+        return None
+    if mesh is None or layout is None:
+        raise XlaserveError("a device mesh and its sharding layout go together")
+    return ShardingPlan.create(mesh, cfg, layout)
+
+
 class ModelRunner:
     """Runs scheduled batches through the compiled step and returns sampled tokens (NumPy).
 
-    With a `mesh`, parameters and KV pages are sharded by `sharding.rules` and the step is
-    compiled for the mesh (a pipeline over its `pp` axis, tensor parallelism over `tp`).
+    With a `mesh` and its sharding `layout`, parameters and KV pages are sharded as the
+    layout says (`sharding.rules`) and the step is compiled for the mesh.
     """
 
     def __init__(
@@ -76,12 +87,13 @@ class ModelRunner:
         attention_impl: str | None = None,
         eos_token_ids: tuple[int, ...] = (),
         mesh: Mesh | None = None,
+        layout: ShardingLayout | None = None,
     ):
         compilation.install()
         if _platform() == "cpu":
             host_memory.keep_freed_memory()
         self.cfg = cfg
-        self.plan = ShardingPlan.create(mesh, cfg) if mesh is not None else None
+        self.plan = _sharding_plan(cfg, mesh, layout)
         self.params = self._place_params(params)
         self.attention_impl = attention_impl
         self.kv_dtype = cache_config.kv_dtype(cfg.dtype, _platform())
@@ -92,7 +104,7 @@ class ModelRunner:
             )
         one_page = self._kv_spec(num_pages=1, page_size=cache_config.page_size)
         # One page of every layer, as one device holds it (its share of heads and layers).
-        shards = 1 if self.plan is None else self.plan.tp * self.plan.pp
+        shards = 1 if self.plan is None else self.plan.cache_shards
         page_bytes = one_page.nbytes * cfg.num_layers // shards
         self.num_pages = num_pages_for(cache_config, page_bytes)
         self.kv_spec = one_page.replace(num_pages=self.num_pages)
@@ -128,7 +140,7 @@ class ModelRunner:
         """Sharded by the plan (layers stacked for a pipeline); as given without a mesh."""
         if self.plan is None:
             return params
-        if self.plan.pp > 1 and isinstance(params["layers"], list):
+        if self.plan.num_stages > 1 and isinstance(params["layers"], list):
             params = {**params, "layers": stack_layers(params["layers"])}
         return jax.device_put(params, self.plan.param_shardings(params))
 

@@ -9,19 +9,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from engine import sampling
 from engine.config import ModelConfig
 from engine.models import registry
+from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.layers import Params
-from pallas_kernels.kv_cache_update import KVPages, write_kv
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
-if TYPE_CHECKING:
-    from sharding.rules import ShardingPlan
+from sharding import pipeline
+from sharding.rules import ShardingPlan
 
 
 @jax.tree_util.register_dataclass
@@ -52,25 +50,6 @@ class StepOutput:
     prompt: sampling.SamplerOutput | None = None  # per token [T]; when prompt logprobs are asked
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """What paged attention needs besides q, k, v and the cache (a StepInput's, or one
-    micro-batch's of it)."""
-
-    slot_mapping: Any  # i32[T]
-    kv_lens: Any  # i32[S]
-    page_table: Any  # i32[S, P]
-    cu_q_lens: Any  # i32[S+1]
-    num_seqs: Any  # i32[]
-
-    @classmethod
-    def of(cls, batch: StepInput) -> AttentionMetadata:
-        return cls(
-            batch.slot_mapping, batch.kv_lens, batch.page_table, batch.cu_q_lens, batch.num_seqs
-        )
-
-
 @dataclass(frozen=True)
 class StepOptions:
     """What is static about a step besides the bucket shapes (hashable: a jit cache key)."""
@@ -81,35 +60,6 @@ class StepOptions:
     num_top_logprobs: int = 0  # 0: no request asked for logprobs, none are computed
     num_prompt_logprobs: int | None = None  # None: no prompt logprobs
     sharding: ShardingPlan | None = None  # None: one device
-
-
-def paged_attention(
-    q: jax.Array,  # f[T, N, H]
-    k: jax.Array,  # f[T, K, H]
-    v: jax.Array,  # f[T, K, H]
-    kv_pages: KVPages,  # one layer's cache, float or quantized
-    meta: AttentionMetadata,
-    *,
-    sm_scale: float,
-    sliding_window: int | None,
-    impl: str | None,
-) -> tuple[jax.Array, KVPages]:
-    """Writes the tokens' K/V into the cache, then attends over it: (f[T, N, H], kv_pages).
-    A float cache may be wider than the model (CacheConfig.kv_cache_dtype); q is cast to it."""
-    kv_pages = write_kv(kv_pages, k, v, meta.slot_mapping)
-    cache_dtype = kv_pages.dtype if isinstance(kv_pages, jax.Array) else q.dtype
-    out = ragged_paged_attention(
-        q.astype(cache_dtype),
-        kv_pages,
-        meta.kv_lens,
-        meta.page_table,
-        meta.cu_q_lens,
-        meta.num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        impl=impl,
-    )
-    return out.astype(q.dtype), kv_pages
 
 
 def _forward(
@@ -125,10 +75,10 @@ def _forward(
     )
     if plan is not None:
         attend = plan.shard_attention(attend)
-    meta = AttentionMetadata.of(batch)
-    if plan is not None and plan.pp > 1:
-        from sharding import pipeline
-
+    meta = AttentionMetadata(
+        batch.slot_mapping, batch.kv_lens, batch.page_table, batch.cu_q_lens, batch.num_seqs
+    )
+    if plan is not None and plan.num_stages > 1:
         return pipeline.forward(
             registry.family(cfg), params, kv_caches, batch.token_ids, batch.positions, meta,
             attend, plan=plan, cfg=cfg,

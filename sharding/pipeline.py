@@ -1,9 +1,9 @@
-"""Pipeline parallelism: the decoder layers split into stages over the mesh's `pp` axis.
+"""Pipeline parallelism: the decoder layers split into stages over the layout's pipeline axis.
 
-Inside the jitted step, one `shard_map` over `pp` gives each stage its slice of the stacked
+Inside the jitted step, one `shard_map` over that axis gives each stage its slice of the stacked
 layers and of the stacked KV caches. The batch's T tokens are split into M micro-batches of T/M
 rows; at tick t stage s runs micro-batch t - s and hands its activations to stage s + 1 (a
-`ppermute`), so after the first ticks every stage is busy with a different micro-batch. M + pp - 1
+`ppermute`), so after the first ticks every stage is busy with a different micro-batch. M + PP - 1
 ticks run the whole batch; the last stage's outputs are then shared with all (a `psum`).
 
 A micro-batch is a range of rows of the ragged batch; its attention metadata says which part of
@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from engine.config import ModelConfig
 from engine.errors import XlaserveError
+from engine.models.attention import AttentionMetadata
 from engine.models.layers import Params
 from engine.models.registry import ModelFamily
-from engine.step import AttentionMetadata
 from sharding.rules import ShardingPlan
 
 
@@ -81,18 +81,24 @@ def forward(
         raise XlaserveError(f"model family {family.name!r} does not support pipeline parallelism")
     if isinstance(params["layers"], list):
         raise ValueError("pipeline parallelism needs the layers stacked on a leading axis")
+    axis = plan.layout.pipeline_axis
+    assert axis is not None  # a plan with stages has a pipeline axis
     x = family.embed(params, token_ids, cfg=cfg)
     t = x.shape[0]
-    m = num_microbatches(t, plan.pp)
+    m = num_microbatches(t, plan.num_stages)
     stages = functools.partial(
-        _stages, decoder=functools.partial(family.decoder, cfg=cfg), attend=attend, meta=meta
+        _stages,
+        decoder=functools.partial(family.decoder, cfg=cfg),
+        attend=attend,
+        meta=meta,
+        axis=axis,
     )
     run = jax.shard_map(
         stages,
         mesh=plan.mesh,
-        in_specs=(P("pp"), P("pp"), P(), P()),
-        out_specs=(P(), P("pp")),
-        axis_names={"pp"},
+        in_specs=(P(axis), P(axis), P(), P()),
+        out_specs=(P(), P(axis)),
+        axis_names={axis},
         check_vma=False,
     )
     out, caches = run(params["layers"], caches, x.reshape(m, t // m, -1), split(meta, positions, m))
@@ -100,17 +106,18 @@ def forward(
 
 
 def _stages(
-    layers: Params,  # this stage's [L/pp, ...]
-    caches: Any,  # this stage's [L/pp, ...]
+    layers: Params,  # this stage's [L/PP, ...]
+    caches: Any,  # this stage's [L/PP, ...]
     inputs: jax.Array,  # f[M, T/M, D] the embedded micro-batches
     micro: MicroBatches,
     *,
     decoder: Callable[..., tuple[jax.Array, Any]],
     attend: Callable[..., Any],
     meta: AttentionMetadata,
+    axis: str,  # the pipeline's mesh axis
 ) -> tuple[jax.Array, Any]:
-    num_stages = lax.axis_size("pp")
-    stage = lax.axis_index("pp")
+    num_stages = lax.axis_size(axis)
+    stage = lax.axis_index(axis)
     m = inputs.shape[0]
     to_next = [(s, (s + 1) % num_stages) for s in range(num_stages)]
 
@@ -136,9 +143,9 @@ def _stages(
         y, caches = decoder(layers, x, micro.positions[i], caches, attention)
         done = active & (stage == num_stages - 1)
         outputs = outputs.at[i].set(jnp.where(done, y, outputs[i]))
-        return lax.ppermute(y, "pp", to_next), outputs, caches
+        return lax.ppermute(y, axis, to_next), outputs, caches
 
     carry = (jnp.zeros_like(inputs[0]), jnp.zeros_like(inputs), caches)
     _, outputs, caches = lax.fori_loop(0, m + num_stages - 1, tick, carry)
-    outputs = lax.psum(jnp.where(stage == num_stages - 1, outputs, 0), "pp")
+    outputs = lax.psum(jnp.where(stage == num_stages - 1, outputs, 0), axis)
     return outputs, caches

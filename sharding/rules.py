@@ -1,19 +1,19 @@
-"""Logical axis names on every parameter and on the KV cache, and the one table that maps them
-to mesh axes. Pure: functions of static configuration and meshes; the model code never sees any
-of it.
+"""Logical axis names on every parameter and on the KV cache, and how a sharding layout
+(`sharding.layout`) applies to them. Pure: functions of static configuration and meshes; the
+model code never sees any of it.
 
-Tensor parallelism (`tp`) shards attention heads, the MLP width and the vocabulary; XLA inserts
-the collectives the sharded matmuls need. A model with fewer KV heads than the tensor-parallel
-size keeps its K/V projections replicated, and its cache stores one KV head per shard (each
-shard the head its query heads use), as vLLM does. Pipeline parallelism (`pp`) splits the
-stacked `layers` axis. The attention kernel runs per shard: `shard_attention` wraps it in a
-`shard_map` over heads.
+The built-in layout's tensor parallelism shards attention heads, the MLP width and the
+vocabulary; XLA inserts the collectives the sharded matmuls need. A model with fewer KV heads
+than the heads' shards keeps its K/V projections replicated, and its cache stores one KV head
+per shard (each shard the head its query heads use), as vLLM does. Pipeline parallelism splits
+the stacked `layers` axis over the layout's pipeline axis. The attention kernel runs per shard:
+`shard_attention` wraps it in a `shard_map` over the heads' mesh axis.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -23,6 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from engine.config import ModelConfig
 from engine.errors import XlaserveError
+from sharding.layout import LayoutError, ShardingLayout
+from sharding.mesh import slice_mesh
 
 Axes = tuple[str | None, ...]
 
@@ -52,75 +54,106 @@ PARAM_AXES: Mapping[str, Axes] = {
 # contiguous block of the axis holds whole K/V pairs); stacked caches lead with `layers`.
 CACHE_AXES: Axes = ("pages", "page_slots", "kv_heads", "head_dim")
 
-# The rules table: logical axis -> mesh axis (None: replicated).
-RULES: Mapping[str, str | None] = {
-    "vocab": "tp",
-    "heads": "tp",
-    "kv_heads": "tp",
-    "mlp": "tp",
-    "layers": "pp",
-    "embed": None,
-    "head_dim": None,
-    "pages": None,
-    "page_slots": None,
-}
+
+def model_dims(cfg: ModelConfig) -> dict[str, int]:
+    """The size of each logical axis the model's arrays have (the cache's pages aside)."""
+    return {
+        "vocab": cfg.vocab_size,
+        "embed": cfg.hidden_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "mlp": cfg.intermediate_size,
+        "layers": cfg.num_layers,
+    }
+
+
+def check_layout(layout: ShardingLayout, cfg: ModelConfig, num_devices: int | None = None) -> None:
+    """Refuses, with a one-line XlaserveError, a layout that cannot shard this model (see
+    `ShardingLayout.validate`), or that splits one array twice over a mesh axis."""
+    try:
+        layout.validate(num_devices=num_devices, dims=model_dims(cfg))
+        for name, axes in (*PARAM_AXES.items(), ("KV cache", CACHE_AXES)):
+            _check_distinct(layout, name, ("layers", *axes))
+    except LayoutError as e:
+        raise XlaserveError(f"sharding layout: {e}") from e
+
+
+def _check_distinct(layout: ShardingLayout, name: str, axes: Axes) -> None:
+    seen: dict[str, str] = {}
+    for logical in axes:
+        axis = None if logical is None else layout.rule(logical)
+        if axis is not None and axis in seen:
+            raise LayoutError(
+                f"{seen[axis]!r} and {logical!r} both map to mesh axis {axis!r}, and {name} has "
+                "both: an array is split at most once over a mesh axis"
+            )
+        if axis is not None and logical is not None:
+            seen[axis] = logical
 
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """How one engine's arrays lie on its (1, pp, tp) mesh. Hashable: a static jit argument."""
+    """How one engine's arrays lie on its mesh: the layout applied to the model. Hashable: a
+    static jit argument (with the layout in it, so no two layouts share a compiled step)."""
 
     mesh: Mesh
+    layout: ShardingLayout
     num_heads: int
     num_kv_heads: int
 
     @classmethod
-    def create(cls, mesh: Mesh, cfg: ModelConfig) -> ShardingPlan:
-        tp = int(mesh.shape["tp"])
-        if cfg.num_heads % tp:
+    def create(cls, mesh: Mesh, cfg: ModelConfig, layout: ShardingLayout) -> ShardingPlan:
+        """`mesh`: the layout's mesh, or one replica's (`sharding.mesh.replica_meshes`)."""
+        check_layout(layout, cfg)
+        replica = {layout.replica_axis: 1} if layout.replica_axis is not None else {}
+        full, sliced = dict(layout.mesh), {**dict(layout.mesh), **replica}
+        if tuple(mesh.axis_names) != layout.axis_names or dict(mesh.shape) not in (full, sliced):
             raise XlaserveError(
-                f"tensor parallel size {tp} must divide the model's {cfg.num_heads} query heads"
+                f"the mesh {dict(mesh.shape)} is not the sharding layout's ({layout.describe()})"
             )
-        if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-            raise XlaserveError(
-                f"the model's {cfg.num_kv_heads} KV heads and tensor parallel size {tp} must "
-                "divide one another"
-            )
-        if cfg.num_layers % int(mesh.shape["pp"]):
-            raise XlaserveError(
-                f"pipeline parallel size {mesh.shape['pp']} must divide the model's "
-                f"{cfg.num_layers} layers"
-            )
-        return cls(mesh, cfg.num_heads, cfg.num_kv_heads)
+        return cls(mesh, layout, cfg.num_heads, cfg.num_kv_heads)
+
+    def _size(self, logical: str) -> int:
+        axis = self.layout.rule(logical)
+        return 1 if axis is None else int(self.mesh.shape[axis])
 
     @property
-    def tp(self) -> int:
-        return int(self.mesh.shape["tp"])
+    def num_stages(self) -> int:
+        """Pipeline stages (1: no pipeline)."""
+        return self._size("layers")
 
     @property
-    def pp(self) -> int:
-        return int(self.mesh.shape["pp"])
+    def head_shards(self) -> int:
+        """Into how many parts the query heads are split."""
+        return self._size("heads")
+
+    @property
+    def cache_shards(self) -> int:
+        """Over how many devices one KV cache is split (heads and pipeline stages)."""
+        return self.head_shards * self.num_stages
 
     @property
     def kv_replicated(self) -> bool:
         """Fewer KV heads than shards: K/V projections replicated, one cache head per shard."""
-        return self.num_kv_heads % self.tp != 0
+        return self.num_kv_heads % self.head_shards != 0
 
     @property
     def cache_kv_heads(self) -> int:
         """KV heads the cache stores: the model's, or one per shard when replicated."""
-        return self.tp if self.kv_replicated else self.num_kv_heads
+        return self.head_shards if self.kv_replicated else self.num_kv_heads
 
     def rule(self, logical: str | None, *, cache: bool = False) -> str | None:
         if logical is None:
             return None
         if logical == "kv_heads" and self.kv_replicated and not cache:
             return None  # the parameters' few KV heads; the cache has one per shard
-        return RULES[logical]
+        return self.layout.rule(logical)
 
     def spec(self, axes: Axes, shape: tuple[int, ...], *, cache: bool = False) -> P:
-        """The PartitionSpec of an array with these logical axes; a dimension the mesh axis
-        does not divide (a vocabulary of 49,153 over 2) stays replicated."""
+        """The PartitionSpec of an array with these logical axes. A dimension its mesh axis
+        does not divide stays replicated: what `check_layout` allows (an odd vocabulary with
+        `replicate_if_indivisible`) and the small axes of quantization scales."""
         if len(axes) != len(shape):
             raise ValueError(f"logical axes {axes} do not match {shape=}")
         mesh_axes = []
@@ -148,20 +181,28 @@ class ShardingPlan:
         axes = CACHE_AXES if len(shape) == len(CACHE_AXES) else ("layers", *CACHE_AXES)
         return NamedSharding(self.mesh, self.spec(axes, shape, cache=True))
 
+    def stage(self, index: int) -> ShardingPlan:
+        """The plan on one pipeline stage's devices (the pipeline axis cut to that stage)."""
+        if self.layout.pipeline_axis is None:
+            return self
+        return replace(self, mesh=slice_mesh(self.mesh, self.layout.pipeline_axis, index))
+
     def shard_attention(self, attention: Callable[..., Any]) -> Callable[..., Any]:
         """Runs `attention(q, k, v, kv_pages, metadata, **static) -> (out, kv_pages)` per shard
         of heads: each shard writes and reads its own KV heads for its own query heads. `static`
         (the layer's sliding window) passes through unchanged."""
-        heads = P(None, "tp", None)
+        axis = self.layout.rule("heads")
+        heads = P(None, axis, None)
         kv = P() if self.kv_replicated else heads
-        cache = P(None, None, "tp", None)
-        shards_per_kv_head = self.tp // self.num_kv_heads
+        cache = P(*(self.rule(name, cache=True) for name in CACHE_AXES))
+        shards_per_kv_head = self.head_shards // self.num_kv_heads
 
         def local(
             q: jax.Array, k: jax.Array, v: jax.Array, pages: jax.Array, meta: Any, **static: Any
         ) -> Any:
             if self.kv_replicated:  # all KV heads are here; keep the one this shard's q use
-                head = lax.axis_index("tp") // shards_per_kv_head
+                assert axis is not None  # replicated K/V means the heads are split
+                head = lax.axis_index(axis) // shards_per_kv_head
                 k = lax.dynamic_slice_in_dim(k, head, 1, axis=1)
                 v = lax.dynamic_slice_in_dim(v, head, 1, axis=1)
             return attention(q, k, v, pages, meta, **static)
@@ -169,9 +210,9 @@ class ShardingPlan:
         def sharded(
             q: jax.Array, k: jax.Array, v: jax.Array, pages: jax.Array, meta: Any, **static: Any
         ) -> Any:
-            # Inside the pipeline's shard_map the context mesh (`pp` manual) is the one to use.
-            # Every mesh axis is manual in here (Mosaic kernels cannot be auto-partitioned);
-            # all but `tp` are replicated.
+            # Inside the pipeline's shard_map the context mesh (its axis manual) is the one to
+            # use. Every mesh axis is manual in here (Mosaic kernels cannot be auto-partitioned);
+            # all but the heads' axis are replicated.
             context = jax.sharding.get_abstract_mesh()
             nested = not context.empty and bool(context.manual_axes)
 

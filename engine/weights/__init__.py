@@ -262,7 +262,7 @@ def build_sharded_params(
     """Each leaf made from its shards: a device's shard is cut from the converted tensors it
     covers, read once per process (a stacked leaf reads only its stage's layers)."""
     dtype = jnp.dtype(cfg.dtype)
-    stacked = plan.pp > 1
+    stacked = plan.num_stages > 1
     groups: dict[tuple[Any, ...], list[TensorSpec]] = defaultdict(list)
     for spec in specs.values():  # HF names list each layer's tensors in layer order
         key = ("layers", spec.path[2]) if stacked and spec.path[0] == "layers" else spec.path

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from engine.config import ModelConfig, QuantizationConfig, RopeScaling
 from engine.errors import ModelLoadError, XlaserveError
@@ -151,7 +151,7 @@ class ConvertedSource:
             )
         with ocp.StandardCheckpointer() as checkpointer:
             stored = checkpointer.metadata(self.path.absolute() / PARAMS).item_metadata.tree
-            if plan is not None and plan.pp > 1:
+            if plan is not None and plan.num_stages > 1:
                 return _restore_stacked(checkpointer, self.path, stored, cfg, plan)
             target = _targets(stored, cfg.dtype, plan)
             plain = checkpointer.restore(self.path.absolute() / PARAMS, target)
@@ -235,8 +235,8 @@ def _restore_stacked(
 ) -> Params:
     """Pipeline stages: each layer restored onto its stage's devices (sharded as the plan
     shards one layer), then the layers of each stage stacked on device into [L, ...] leaves."""
-    per_stage = cfg.num_layers // plan.pp
-    stages = [_stage_plan(plan, s) for s in range(plan.pp)]
+    per_stage = cfg.num_layers // plan.num_stages
+    stages = [plan.stage(s) for s in range(plan.num_stages)]
     # Leaves outside the layers are held by every stage.
     target = _targets({k: v for k, v in stored.items() if k != "layers"}, cfg.dtype, plan)
     target["layers"] = [
@@ -247,12 +247,6 @@ def _restore_stacked(
     layers = restored.pop("layers")
     stacked = {name: _stack([layer[name] for layer in layers], plan, name) for name in layers[0]}
     return {**restored, "layers": stacked}
-
-
-def _stage_plan(plan: ShardingPlan, stage: int) -> ShardingPlan:
-    devices = plan.mesh.devices[:, stage : stage + 1, :]
-    mesh = Mesh(devices, plan.mesh.axis_names, axis_types=plan.mesh.axis_types)
-    return dataclasses.replace(plan, mesh=mesh)
 
 
 def _stack(layers: list[jax.Array], plan: ShardingPlan, name: str) -> jax.Array:

@@ -12,14 +12,16 @@ from engine.batch import BatchBuilder, BatchShapes
 from engine.scheduler import SchedulerOutput
 from engine.step import StepOptions, step
 from pallas_kernels.kv_cache_update import KVCacheSpec
+from sharding.layout import ShardingLayout
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan
 from tests.pallas_kernels.test_export_step import CFG, random_params
 
 
 def test_tp4_step_exports_for_tpu() -> None:
-    mesh = make_mesh(tp=4, devices=jax.devices()[:4])
-    plan = ShardingPlan.create(mesh, CFG)  # 2 KV heads < 4: replicated, one per shard
+    layout = ShardingLayout.named(tp=4)
+    mesh = make_mesh(layout, jax.devices()[:4])
+    plan = ShardingPlan.create(mesh, CFG, layout)  # 2 KV heads < 4: replicated, one per shard
     page_size, num_tokens, num_seqs = 16, 32, 4
     spec = KVCacheSpec.for_platform(
         "tpu",

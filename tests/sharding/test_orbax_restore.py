@@ -9,6 +9,7 @@ import pytest
 from orbax.checkpoint._src.serialization import serialization
 
 from engine.weights import convert, open_checkpoint, resolve_model
+from sharding.layout import ShardingLayout
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingPlan
 from tests.engine.tiny_model import write_tiny_checkpoint
@@ -32,7 +33,8 @@ def test_tp2_restore_reads_only_each_devices_slice(converted, monkeypatch) -> No
         return await real(t, new_shard_shape=new_shard_shape, **kwargs)
 
     monkeypatch.setattr(serialization, "_read_shard", spy)
-    plan = ShardingPlan.create(make_mesh(tp=2, devices=jax.devices()[:2]), cfg)
+    layout = ShardingLayout.named(tp=2)
+    plan = ShardingPlan.create(make_mesh(layout, jax.devices()[:2]), cfg, layout)
     restored = open_checkpoint(resolve_model(str(out))).load_params(plan)
 
     D, N, H = params["layers"][0]["wq"].shape
@@ -57,7 +59,8 @@ def test_tp2_restore_reads_only_each_devices_slice(converted, monkeypatch) -> No
 
 def test_pp2_restore_stacks_each_stages_layers(converted) -> None:
     source, out, cfg, _ = converted
-    plan = ShardingPlan.create(make_mesh(tp=2, pp=2, devices=jax.devices()[:4]), cfg)
+    layout = ShardingLayout.named(tp=2, pp=2)
+    plan = ShardingPlan.create(make_mesh(layout, jax.devices()[:4]), cfg, layout)
     expected = open_checkpoint(resolve_model(str(source))).load_params(plan)
     restored = open_checkpoint(resolve_model(str(out))).load_params(plan)
     assert jax.tree.structure(restored) == jax.tree.structure(expected)
