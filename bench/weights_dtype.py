@@ -130,7 +130,7 @@ def decode_rate(engine: Engine, workload: Workload, steps: int, seed: int) -> Ra
         if decoding:
             times.append(time.perf_counter() - start)
         for output in outputs:
-            generated[output.request_id] = len(output.outputs[0].token_ids)
+            generated[output.request_id] += len(output.outputs[0].token_ids)  # a delta
     timed = times[UNTIMED_STEPS:]
     assert len(timed) == steps, f"{len(times)=} decode steps, {UNTIMED_STEPS + steps} expected"
     median = statistics.median(timed)

@@ -1,5 +1,7 @@
 """The engine loop: `LLMEngine.step()` is schedule -> run the compiled step -> record tokens ->
-stop checks. Built by `engine.builder.build_engine`; the offline API is `engine.llm.LLM`."""
+stop checks -> deltas (each request's output holds only what the step added: see
+engine/request.py). Built by `engine.builder.build_engine`; the offline API is `engine.llm.LLM`.
+"""
 
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ from engine.models.layers import Params
 from engine.output_processor import SequenceOutput, StopDecision
 from engine.protocol import Engine, EngineStats, Health, ModelInfo
 from engine.request import (
-    CompletionOutput,
     FinishReason,
+    OutputAccumulator,
     Request,
     RequestOutput,
     SamplingParams,
+    Usage,
     validate_prompt,
     validate_token_ids,
 )
@@ -57,6 +60,7 @@ class _Parent:
     outputs: list[SequenceOutput]
     pending: list[Request] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)
+    announced: bool = False  # its first output (with the prompt) has been handed out
 
 
 @dataclass(frozen=True)
@@ -245,7 +249,8 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns the outputs of requests that made progress."""
+        """One engine iteration; returns, for each request that made progress, what it gained
+        (a delta: engine/request.py)."""
         launched = self.launch_step()
         return self.finish_step(launched) if launched is not None else []
 
@@ -280,7 +285,7 @@ class LLMEngine:
         self, out: SchedulerOutput, completed: list[Request], result: StepOutput
     ) -> list[RequestOutput]:
         row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
-        touched: dict[str, _Parent] = {}
+        progressed: dict[str, tuple[_Parent, list[int]]] = {}
         now = time.monotonic()
         for request in completed:
             i = row[request.request_id]
@@ -297,9 +302,9 @@ class LLMEngine:
             decision = parent.outputs[index].append(request, token)
             if decision is not None:
                 self._finish(parent, index, decision)
-            touched[parent.request_id] = parent
+            progressed.setdefault(parent.request_id, (parent, []))[1].append(index)
             self.counters.num_generation_tokens += 1
-        return [self._request_output(p) for p in touched.values()]
+        return [self._request_output(p, indices) for p, indices in progressed.values()]
 
     def _finish(self, parent: _Parent, index: int, decision: StopDecision) -> None:
         child = parent.children[index]
@@ -307,22 +312,12 @@ class LLMEngine:
         self.scheduler.finish(child, decision.reason)
         parent.finished.add(index)
 
-    def _request_output(self, parent: _Parent) -> RequestOutput:
+    def _request_output(self, parent: _Parent, indices: list[int]) -> RequestOutput:
+        """The delta of `parent`'s choices `indices` (those that gained a token this step)."""
         finished = len(parent.finished) == len(parent.children)
-        outputs = [
-            CompletionOutput(
-                index=i,
-                text=seq.text,
-                token_ids=list(child.output_token_ids),
-                finish_reason=child.finish_reason.value if child.finish_reason else None,
-                stop_reason=child.stop_reason,
-                logprobs=list(child.logprobs)
-                if child.sampling_params.logprobs is not None
-                else None,
-            )
-            for i, (child, seq) in enumerate(zip(parent.children, parent.outputs, strict=True))
-        ]
+        outputs = [parent.outputs[i].take_delta(parent.children[i], i) for i in sorted(indices)]
         first = parent.children[0]
+        announce, parent.announced = not parent.announced, True
         wants_prompt_logprobs = first.sampling_params.prompt_logprobs is not None
         if finished:
             del self._parents[parent.request_id]
@@ -330,11 +325,13 @@ class LLMEngine:
                 self._child_parent.pop(child.request_id, None)
         return RequestOutput(
             parent.request_id,
-            parent.prompt_token_ids,
             outputs,
             finished,
-            prompt_logprobs=first.prompt_logprobs if wants_prompt_logprobs else None,
-            num_cached_tokens=first.num_cached_tokens,
+            prompt_token_ids=parent.prompt_token_ids if announce else None,
+            prompt_logprobs=list(first.prompt_logprobs)
+            if announce and wants_prompt_logprobs
+            else None,
+            usage=_usage(parent) if finished else None,
             arrival_time=first.arrival_time,
             scheduled_time=first.scheduled_time,
         )
@@ -344,9 +341,12 @@ def _nbytes(tree: Any) -> int:
     return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
 
 
-def _copy_if(entries: list[dict[int, float]], wanted: bool) -> list[dict[int, float]] | None:
-    """A snapshot: the request's own list keeps growing on the engine thread."""
-    return list(entries) if wanted else None
+def _usage(parent: _Parent) -> Usage:
+    return Usage(
+        prompt_tokens=len(parent.prompt_token_ids),
+        cached_prompt_tokens=parent.children[0].num_cached_tokens,
+        output_lengths=tuple(len(c.output_token_ids) for c in parent.children),
+    )
 
 
 def _prompt_tokens_run(out: SchedulerOutput) -> int:
@@ -385,14 +385,16 @@ def _logprob_entry(result: StepOutput | SamplerOutput, row: int, k: int) -> dict
 def run_to_completion(
     engine: Engine, request_ids: list[str], *, use_tqdm: bool = False
 ) -> list[RequestOutput]:
-    results: dict[str, RequestOutput] = {}
+    """Steps `engine` until it is idle; returns the whole outputs of `request_ids`, in order."""
+    joined = {i: OutputAccumulator() for i in request_ids}
     with tqdm(total=len(request_ids), disable=not use_tqdm, desc="generating") as bar:
         while engine.has_unfinished_requests():
             for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output
-                    bar.update(1)
-    return [results[i] for i in request_ids]
+                accumulator = joined.get(output.request_id)
+                if accumulator is not None:
+                    accumulator.add(output)
+                bar.update(output.finished)
+    return [joined[i].output() for i in request_ids]
 
 
 __all__ = ["FinishReason", "LLMEngine", "SamplingParams", "run_to_completion"]

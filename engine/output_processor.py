@@ -1,15 +1,18 @@
-"""After each step, on the host: append sampled tokens, detokenize incrementally, and decide
-whether each sequence stops (EOS, stop token ids, stop strings, max_tokens, context length).
+"""After each step, on the host: append sampled tokens, detokenize incrementally, decide
+whether each sequence stops (EOS, stop token ids, stop strings, max_tokens, context length),
+and hand out what is new.
 
 Stop strings are never emitted, even when split across tokens: text that could still turn out
-to be the start of a stop string is held back until it can't.
+to be the start of a stop string is held back until it can't. Only that unsent tail is kept
+(the stop-string search never needs more), so each step's work is independent of how long the
+sequence already is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import CompletionOutput, FinishReason, Request, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -20,7 +23,7 @@ class StopDecision:
 
 
 class SequenceOutput:
-    """One sequence's text as it grows, and its stop checks."""
+    """One sequence's stop checks, and what of it has not been handed out yet."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_model_len: int):
         self._params = params
@@ -31,8 +34,10 @@ class SequenceOutput:
             tokenizer, skip_special_tokens=params.skip_special_tokens
         )
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self.text = ""  # everything decoded so far, cut at a stop string
-        self.emitted = 0  # how much of `text` has been handed out
+        # Decoded text not handed out yet (cut at a stop string): at most the held-back tail
+        # plus what the last step decoded.
+        self._unsent = ""
+        self._num_sent_tokens = 0
 
     def append(self, request: Request, token: int) -> StopDecision | None:
         """Records `token` (already appended to request.output_token_ids); returns why the
@@ -43,35 +48,49 @@ class SequenceOutput:
             return StopDecision(FinishReason.STOP)
         if may_stop and token in self._stop_ids:
             if self._params.include_stop_str_in_output:
-                self.text += self._detokenizer.add(token)
+                self._unsent += self._detokenizer.add(token)
             return StopDecision(FinishReason.STOP, token)
-        searched_from = max(len(self.text) - self._holdback, 0)
-        self.text += self._detokenizer.add(token)
+        # A stop string ending in the new text starts at most `holdback` characters before it,
+        # which have not been handed out (take_delta keeps them).
+        searched_from = max(len(self._unsent) - self._holdback, 0)
+        self._unsent += self._detokenizer.add(token)
         if may_stop and self._params.stop:
             stop = self._find_stop_string(searched_from)
             if stop is not None:
                 return stop
         if num_out >= self._params.max_tokens or request.num_tokens >= self._max_model_len:
-            self.text += self._detokenizer.flush()
+            self._unsent += self._detokenizer.flush()
             return StopDecision(FinishReason.LENGTH)
         return None
 
     def _find_stop_string(self, start: int) -> StopDecision | None:
-        hits = [(i, s) for s in self._params.stop if (i := self.text.find(s, start)) >= 0]
+        hits = [(i, s) for s in self._params.stop if (i := self._unsent.find(s, start)) >= 0]
         if not hits:
             return None
         index, stop = min(hits)
         end = index + len(stop) if self._params.include_stop_str_in_output else index
-        self.text = self.text[:end]
+        self._unsent = self._unsent[:end]
         return StopDecision(FinishReason.STOP, stop)
 
-    def take_delta(self, finished: bool) -> str:
-        """New text to hand out; while running, the tail that may begin a stop string waits."""
-        end = (
-            len(self.text) if finished or not self._params.stop else len(self.text) - self._holdback
+    def take_delta(self, request: Request, index: int) -> CompletionOutput:
+        """What `request` (choice `index`) gained since the last call: its new token ids and
+        logprobs, and its new text except, while it runs, a tail that may begin a stop string
+        (once finished, all the rest); the finish reason once finished."""
+        finished = request.is_finished
+        text = self._take_text(finished)
+        start, self._num_sent_tokens = self._num_sent_tokens, len(request.output_token_ids)
+        wants_logprobs = request.sampling_params.logprobs is not None
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=request.output_token_ids[start:],
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=request.stop_reason,
+            logprobs=request.logprobs[start:] if wants_logprobs else None,
         )
-        if end <= self.emitted:
-            return ""
-        delta = self.text[self.emitted : end]
-        self.emitted = end
-        return delta
+
+    def _take_text(self, finished: bool) -> str:
+        keep = 0 if finished or not self._params.stop else self._holdback
+        end = max(len(self._unsent) - keep, 0)
+        text, self._unsent = self._unsent[:end], self._unsent[end:]
+        return text

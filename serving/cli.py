@@ -412,12 +412,10 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
     engine.add_request("cli", prompt_ids, sampling)
-    printed = 0
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            text = output.outputs[0].text
-            print(text[printed:], end="", flush=True)
-            printed = len(text)
+        for output in engine.step():  # each holds only the new text
+            for choice in output.outputs:
+                print(choice.text, end="", flush=True)
     print()
     return 0
 

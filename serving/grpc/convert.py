@@ -7,10 +7,9 @@ InvalidRequestError naming the field, which the service turns into INVALID_ARGUM
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
-from engine.request import CompletionOutput, RequestOutput, SamplingParams
+from engine.request import CompletionOutput, RequestOutput, SamplingParams, Usage
 from serving.grpc.stubs import pb2
 
 # SamplingParams fields that are proto3 `optional` scalars: set means given, unset means default.
@@ -81,78 +80,40 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
 # ---- streamed outputs --------------------------------------------------------------------------
 
 
-@dataclass
-class _Cursor:
-    """How much of one sequence has been sent."""
-
-    num_tokens: int = 0
-    num_chars: int = 0
-    finished: bool = False
-
-
-class StreamDeltas:
-    """Turns a request's growing RequestOutputs into GenerateResponse deltas.
-
-    The engine's outputs carry each sequence's whole text so far, which a stop string found
-    later may still cut; so while a sequence runs, its last `len(longest stop) - 1` characters
-    wait (a stop string is only ever found, and cut, within them).
-    """
-
-    def __init__(self, params: SamplingParams):
-        self._params = params
-        self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self._cursors = [_Cursor() for _ in range(params.n)]
-        self._sent_prompt_logprobs = False
-
-    def messages(self, output: RequestOutput) -> list[pb2.GenerateResponse]:
-        """The messages for what is new in `output`; the stream's last one carries usage."""
-        messages = [m for c in output.outputs if (m := self._delta(c)) is not None]
-        if output.prompt_logprobs is not None and not self._sent_prompt_logprobs:
-            self._first(messages).prompt_logprobs.extend(
-                _prompt_logprobs(output, self._params.prompt_logprobs or 0)
-            )
-            self._sent_prompt_logprobs = True
-        if output.finished:
-            messages = messages or [pb2.GenerateResponse()]
-            messages[-1].usage.CopyFrom(_usage(output))
-        return messages
-
-    @staticmethod
-    def _first(messages: list[pb2.GenerateResponse]) -> pb2.GenerateResponse:
-        if not messages:
-            messages.append(pb2.GenerateResponse())
-        return messages[0]
-
-    def _delta(self, completion: CompletionOutput) -> pb2.GenerateResponse | None:
-        cursor = self._cursors[completion.index]
-        if cursor.finished:
-            return None
-        finished = completion.finish_reason is not None
-        text_end = len(completion.text) if finished else len(completion.text) - self._holdback
-        text_end = max(text_end, cursor.num_chars)
-        new_ids = completion.token_ids[cursor.num_tokens :]
-        if not new_ids and text_end == cursor.num_chars and not finished:
-            return None
-        message = pb2.GenerateResponse(
-            index=completion.index,
-            token_ids=new_ids,
-            text=completion.text[cursor.num_chars : text_end],
-            finish_reason=_FINISH_REASONS[completion.finish_reason],
+def stream_messages(output: RequestOutput, params: SamplingParams) -> list[pb2.GenerateResponse]:
+    """One engine delta as GenerateResponse messages, one per choice that gained something;
+    the first delta's first message carries the prompt logprobs, the last delta's last message
+    the usage. The engine has already held back any text that a stop string may still cut."""
+    messages = [_message(choice, params.logprobs or 0) for choice in output.outputs]
+    if output.prompt_logprobs is not None:
+        _first(messages).prompt_logprobs.extend(
+            _prompt_logprobs(output, params.prompt_logprobs or 0)
         )
-        if completion.logprobs is not None:
-            # The engine thread may have appended to this list since `token_ids` was copied.
-            entries = completion.logprobs[cursor.num_tokens : len(completion.token_ids)]
-            k = self._params.logprobs or 0
-            message.logprobs.extend(
-                _token_logprob(t, e, k) for t, e in zip(new_ids, entries, strict=True)
-            )
-        _set_stop_reason(message, completion.stop_reason)
-        cursor.num_tokens, cursor.num_chars, cursor.finished = (
-            len(completion.token_ids),
-            text_end,
-            finished,
+    if output.usage is not None:
+        messages = messages or [pb2.GenerateResponse()]
+        messages[-1].usage.CopyFrom(_usage(output.usage))
+    return messages
+
+
+def _first(messages: list[pb2.GenerateResponse]) -> pb2.GenerateResponse:
+    if not messages:
+        messages.append(pb2.GenerateResponse())
+    return messages[0]
+
+
+def _message(choice: CompletionOutput, k: int) -> pb2.GenerateResponse:
+    message = pb2.GenerateResponse(
+        index=choice.index,
+        token_ids=choice.token_ids,
+        text=choice.text,
+        finish_reason=_FINISH_REASONS[choice.finish_reason],
+    )
+    if choice.logprobs is not None:
+        message.logprobs.extend(
+            _token_logprob(t, e, k) for t, e in zip(choice.token_ids, choice.logprobs, strict=True)
         )
-        return message
+    _set_stop_reason(message, choice.stop_reason)
+    return message
 
 
 def _token_logprob(token_id: int, entry: Mapping[int, float], k: int) -> pb2.TokenLogprob:
@@ -166,7 +127,7 @@ def _token_logprob(token_id: int, entry: Mapping[int, float], k: int) -> pb2.Tok
 
 def _prompt_logprobs(output: RequestOutput, k: int) -> list[pb2.TokenLogprob]:
     entries = output.prompt_logprobs or []
-    pairs = zip(output.prompt_token_ids[1:], entries[1:], strict=False)
+    pairs = zip((output.prompt_token_ids or [])[1:], entries[1:], strict=False)
     return [_token_logprob(t, e, k) for t, e in pairs if e is not None]
 
 
@@ -177,9 +138,9 @@ def _set_stop_reason(message: pb2.GenerateResponse, reason: int | str | None) ->
         message.stop_reason.stop_token_id = reason
 
 
-def _usage(output: RequestOutput) -> pb2.Usage:
+def _usage(usage: Usage) -> pb2.Usage:
     return pb2.Usage(
-        prompt_tokens=len(output.prompt_token_ids),
-        completion_tokens=sum(len(c.token_ids) for c in output.outputs),
-        cached_prompt_tokens=output.num_cached_tokens,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
     )

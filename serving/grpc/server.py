@@ -35,10 +35,10 @@ from engine.errors import InvalidRequestError
 from engine.request import RequestOutput
 from serving.async_engine import AsyncEngine, EngineDeadError
 from serving.grpc.convert import (
-    StreamDeltas,
     check_token_ids,
     prompt_from_proto,
     sampling_params_from_proto,
+    stream_messages,
 )
 from serving.grpc.stubs import SERVICE_NAME, pb2, pb2_grpc
 
@@ -64,15 +64,14 @@ class GenerationService(pb2_grpc.GenerationServicer):
         try:
             prompt = prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling_params)
-            deltas = StreamDeltas(params)
             request_id = f"grpc-{uuid.uuid4().hex}"
             stream = cast(  # an async generator (annotated as its AsyncIterator interface)
                 AsyncGenerator[RequestOutput, None],
                 self._engine.generate(request_id, prompt, params, priority=request.priority),
             )
             async with contextlib.aclosing(stream):
-                async for output in stream:
-                    for message in deltas.messages(output):
+                async for output in stream:  # deltas: each is sent as it is
+                    for message in stream_messages(output, params):
                         await context.write(message)
         except (InvalidRequestError, EngineDeadError) as e:
             await _abort(context, e)

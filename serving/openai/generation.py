@@ -1,5 +1,6 @@
-"""Driving engine streams for HTTP: merging a request's prompts, turning growing outputs into
-deltas, server-sent events, and giving up when the client goes away."""
+"""Driving engine streams for HTTP: merging a request's prompts, per-choice deltas (the
+engine's outputs are deltas already: they pass through as they are), whole answers joined from
+them, server-sent events, and giving up when the client goes away."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from engine.request import RequestOutput
+from engine.request import CompletionOutput, OutputAccumulator, RequestOutput, Usage
 from serving.openai.errors import ClientDisconnected, as_api_error, error_body
 
 T = TypeVar("T")
@@ -52,11 +53,12 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int
 
 
 async def final_outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    finals: dict[int, RequestOutput] = {}
+    """Each stream's deltas joined into its whole output, in the order of `streams`."""
+    joined = [OutputAccumulator() for _ in streams]
     async with aclosing(merge(streams)) as merged:
         async for index, output in merged:
-            finals[index] = output
-    return [finals[i] for i in range(len(streams))]
+            joined[index].add(output)
+    return [accumulator.output() for accumulator in joined]
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -83,9 +85,9 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Delta:
-    """What one choice gained since the last output."""
+    """What one choice gained in one engine step."""
 
     index: int  # the choice: prompt index * n + sequence index
     prompt_index: int
@@ -100,33 +102,28 @@ class Delta:
 async def deltas(
     merged: AsyncGenerator[tuple[int, RequestOutput], None], n: int
 ) -> AsyncGenerator[tuple[Delta, RequestOutput], None]:
-    """Growing outputs (each has the full text so far) -> per-choice deltas, one per change."""
-    sent: dict[int, tuple[int, int]] = {}  # choice -> (characters, tokens) already sent
-    done: set[int] = set()
+    """The engine's outputs (deltas already) -> one Delta per choice that gained something,
+    numbered across the merged prompts."""
+    seen: set[int] = set()
     async for prompt_index, output in merged:
         for seq in output.outputs:
             index = prompt_index * n + seq.index
-            if index in done:
-                continue
-            chars, tokens = sent.get(index, (0, 0))
-            text, ids = seq.text[chars:], seq.token_ids[tokens:]
-            if not text and not ids and seq.finish_reason is None and index in sent:
-                continue
-            logprobs = seq.logprobs[tokens:] if seq.logprobs is not None else None
-            delta = Delta(
-                index,
-                prompt_index,
-                text,
-                ids,
-                logprobs,
-                seq.finish_reason,
-                seq.stop_reason,
-                first=index not in sent,
-            )
-            sent[index] = (len(seq.text), len(seq.token_ids))
-            if seq.finish_reason is not None:
-                done.add(index)
-            yield delta, output
+            first = index not in seen
+            seen.add(index)
+            yield _delta(index, prompt_index, seq, first=first), output
+
+
+def _delta(index: int, prompt_index: int, seq: CompletionOutput, *, first: bool) -> Delta:
+    return Delta(
+        index,
+        prompt_index,
+        seq.text,
+        seq.token_ids,
+        seq.logprobs,
+        seq.finish_reason,
+        seq.stop_reason,
+        first=first,
+    )
 
 
 async def server_sent_events(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
@@ -144,10 +141,18 @@ async def server_sent_events(chunks: AsyncGenerator[dict[str, Any], None]) -> As
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(seq.token_ids) for o in outputs for seq in o.outputs)
+    """OpenAI's usage of finished outputs (whole, or a stream's last deltas)."""
+    counts = [_usage_of(o) for o in outputs]
+    prompt = sum(u.prompt_tokens for u in counts)
+    completion = sum(u.completion_tokens for u in counts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def _usage_of(output: RequestOutput) -> Usage:
+    if output.usage is None:
+        raise ValueError(f"output of {output.request_id} has no usage: it has not finished")
+    return output.usage

@@ -98,8 +98,9 @@ class ServerMetrics:
         self.ttft.labels(self._model).observe(seconds)
 
     def finished(self, output: RequestOutput, started: float, first: float, now: float) -> None:
+        """`output`: the request's last (finished) delta, which carries its usage."""
         self.e2e.labels(self._model).observe(now - started)
-        tokens = max(len(c.token_ids) for c in output.outputs)
+        tokens = max(output.usage.output_lengths) if output.usage is not None else 0
         if tokens > 1:
             self.tpot.labels(self._model).observe((now - first) / (tokens - 1))
         if output.scheduled_time is not None and output.arrival_time is not None:

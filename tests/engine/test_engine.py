@@ -124,7 +124,7 @@ def test_prefix_cache_skips_shared_pages(tiny, engine: LLMEngine) -> None:
     before = engine.stats().num_computed_prompt_tokens
     [output] = generate(engine, [second], [greedy(4)])
     assert engine.stats().num_computed_prompt_tokens - before == len(second) - 3 * PAGE
-    assert output.num_cached_tokens == 3 * PAGE
+    assert output.usage is not None and output.usage.cached_prompt_tokens == 3 * PAGE
     assert output.outputs[0].token_ids == oracle(tiny, second, 4)
 
 

@@ -93,12 +93,11 @@ def test_all_local_model_frees_pages_with_unchanged_greedy_output(mistral) -> No
     ]
     for i, (prompt, params_i) in enumerate(zip(prompts, greedy, strict=True)):
         engine.add_request(f"r{i}", prompt, params_i)
-    outputs: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     most_held = 0
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = output.outputs[0].token_ids
+        for output in engine.step():  # deltas: each holds the step's new token
+            outputs[output.request_id] += output.outputs[0].token_ids
         engine.kv_cache.check_invariants()
         most_held = max(most_held, engine.kv_cache.num_pages - engine.kv_cache.num_free_pages)
     assert engine.scheduler.num_preemptions == 0

@@ -12,7 +12,7 @@ from engine import compilation, naive
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, run_to_completion
-from engine.request import SamplingParams
+from engine.request import OutputAccumulator, SamplingParams
 from serving.async_engine import AsyncEngine, EngineDeadError
 from tests.conftest import PAGE
 
@@ -29,11 +29,11 @@ def front(engine: LLMEngine):
 
 
 async def collect(front: AsyncEngine, request_id: str, prompt: list[int]) -> list[int]:
-    last = None
+    joined = OutputAccumulator()
     async for output in front.generate(request_id, prompt, GREEDY):
-        last = output
-    assert last is not None and last.finished
-    return last.outputs[0].token_ids
+        joined.add(output)
+    assert joined.finished
+    return joined.output().outputs[0].token_ids
 
 
 def test_concurrent_streams_equal_offline_generation(engine: LLMEngine, front) -> None:

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.llm_engine import LLMEngine, run_to_completion
-from engine.request import CompletionOutput, RequestOutput, SamplingParams
+from engine.request import CompletionOutput, RequestOutput, SamplingParams, Usage
 from serving.async_engine import AsyncEngine
-from serving.grpc.convert import StreamDeltas
+from serving.grpc.convert import stream_messages
 from serving.grpc.server import GrpcServerHandle, start_grpc_server
 from serving.grpc.stubs import SERVICE_NAME, pb2, pb2_grpc
 
@@ -287,23 +287,38 @@ def test_model_info(stub, tiny) -> None:
     assert info.has_chat_template
 
 
-def test_stream_deltas_hold_back_a_possible_stop_string() -> None:
-    """Hand-built outputs (no engine): the tail that may start a stop string waits until the
-    sequence finishes; prompt logprobs come once, on the first message; usage on the last."""
-    deltas = StreamDeltas(SamplingParams(stop=("xyz",), logprobs=1, prompt_logprobs=1))
-    prompt_logprobs = [None, {5: -0.5, 9: -0.1}]
+def test_engine_deltas_become_messages_as_they_are() -> None:
+    """Hand-built deltas (no engine): each choice's delta is one message with just its new
+    tokens and text; prompt logprobs come once, on the first message; usage on the last."""
+    params = SamplingParams(n=2, stop=("xyz",), logprobs=1, prompt_logprobs=1)
 
-    def output(text: str, ids: list[int], finish: str | None = None) -> RequestOutput:
+    def choice(index: int, text: str, ids: list[int], finish: str | None = None):
         logprobs = [{t: -1.0, 3: -0.2} for t in ids]
-        completion = CompletionOutput(0, text, ids, finish, "xyz" if finish else None, logprobs)
-        return RequestOutput("r", [4, 5], [completion], finish is not None, prompt_logprobs)
+        return CompletionOutput(index, text, ids, finish, "xyz" if finish else None, logprobs)
 
-    first = deltas.messages(output("abcx", [1, 2]))
-    assert [(m.text, list(m.token_ids)) for m in first] == [("ab", [1, 2])]  # "cx" may be "xyz"
+    first = stream_messages(
+        RequestOutput(
+            "r",
+            [choice(0, "ab", [1, 2]), choice(1, "", [7])],
+            False,
+            prompt_token_ids=[4, 5],
+            prompt_logprobs=[None, {5: -0.5, 9: -0.1}],
+        ),
+        params,
+    )
+    assert [(m.index, m.text, list(m.token_ids)) for m in first] == [
+        (0, "ab", [1, 2]),
+        (1, "", [7]),
+    ]
     [logprob] = first[0].prompt_logprobs
     assert (logprob.token_id, logprob.logprob, logprob.top_logprobs[0].token_id) == (5, -0.5, 9)
+    assert not first[1].prompt_logprobs and not any(m.HasField("usage") for m in first)
     assert [lp.top_logprobs[0].token_id for lp in first[0].logprobs] == [3, 3]
-    [last] = deltas.messages(output("abc", [1, 2, 3], finish="stop"))
+    usage = Usage(prompt_tokens=2, cached_prompt_tokens=1, output_lengths=(3, 1))
+    [last] = stream_messages(
+        RequestOutput("r", [choice(0, "c", [3], finish="stop")], True, usage=usage), params
+    )
     assert (last.text, list(last.token_ids), last.stop_reason.stop_string) == ("c", [3], "xyz")
     assert not last.prompt_logprobs and last.finish_reason == pb2.FINISH_REASON_STOP
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 3)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 4)
+    assert last.usage.cached_prompt_tokens == 1
