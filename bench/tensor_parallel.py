@@ -34,7 +34,8 @@ def main() -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench import common
 
-    rows = [measure(tp, args.repeats) for tp in (1, 2, 4)]
+    checkpoint = write_checkpoint()
+    rows = [measure(tp, args.repeats, checkpoint) for tp in (1, 2, 4)]
     table = [
         "| TP | prefill step, 64 tokens (ms) | decode step, 8 seqs (ms) | decode tokens/s |",
         "|---|---|---|---|",
@@ -44,7 +45,7 @@ def main() -> int:
     text = "\n".join(
         [
             *common.preamble(command, {"jax": jax.__version__}),
-            f"- model: random Llama, {describe(CFG)}, float32; 8 requests of 128-token prompts",
+            f"- model: random Llama, {describe()}, float32; 8 requests of 128-token prompts",
             f"- devices: {NUM_DEVICES} simulated CPU devices sharing the machine's cores",
             "- note: an XLA:CPU device runs a step on one thread, so on this 2-core machine "
             "TP=2 gets both cores where TP=1 uses one, and TP=4 puts 4 threads and their "
@@ -59,47 +60,44 @@ def main() -> int:
     return 0
 
 
-def config():
-    from engine.config import ModelConfig
-
-    return ModelConfig(
-        architecture="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536,
-        num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, max_position_embeddings=1024,
-    )  # fmt: skip
+# A random Llama (HF names), written once as a checkpoint that every TP size loads.
+DIMS = dict(
+    vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024,
+)  # fmt: skip
 
 
-CFG = None
-
-
-def describe(cfg) -> str:
+def describe() -> str:
     return (
-        f"{cfg.num_layers} layers, d={cfg.hidden_size}, {cfg.num_heads} heads / "
-        f"{cfg.num_kv_heads} KV heads, MLP {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+        f"{DIMS['num_hidden_layers']} layers, d={DIMS['hidden_size']}, "
+        f"{DIMS['num_attention_heads']} heads / {DIMS['num_key_value_heads']} KV heads, "
+        f"MLP {DIMS['intermediate_size']}, vocab {DIMS['vocab_size']}"
     )
 
 
-def measure(tp: int, repeats: int) -> tuple[int, float, float]:
-    import jax
-
-    from engine.config import CacheConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
+def measure(tp: int, repeats: int, checkpoint: Path) -> tuple[int, float, float]:
+    from engine.builder import build_engine
+    from engine.config import (
+        CacheConfig,
+        CompilationConfig,
+        EngineConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
     from engine.request import SamplingParams
     from sharding.layout import ShardingLayout
-    from sharding.mesh import make_mesh
-    from tests.pallas_kernels.test_export_step import random_params
 
-    global CFG
-    CFG = CFG or config()
-    layout = ShardingLayout.named(tp=tp) if tp > 1 else None
-    mesh = make_mesh(layout, jax.devices()[:tp]) if layout is not None else None
-    engine = LLMEngine(
-        CFG, random_params(CFG), byte_tokenizer(),
-        cache_config=CacheConfig(page_size=16, num_pages=256),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024
-        ),
-        warm_up=False, mesh=mesh, layout=layout,
-    )  # fmt: skip
+    engine = build_engine(
+        EngineConfig(
+            str(checkpoint),
+            cache=CacheConfig(page_size=16, num_pages=256),
+            scheduler=SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024
+            ),
+            parallel=ParallelConfig(ShardingLayout.named(tp=tp)),
+            compilation=CompilationConfig(warm_up="lazy"),
+        )
+    )
     params = SamplingParams(temperature=0, max_tokens=repeats + 3, ignore_eos=True)
     for i in range(8):
         engine.add_request(f"r{i}", [(i * 131 + j) % 8000 + 100 for j in range(128)], params)
@@ -116,17 +114,18 @@ def measure(tp: int, repeats: int) -> tuple[int, float, float]:
     return tp, statistics.median(prefill[1:]), statistics.median(decode[1:])
 
 
-def byte_tokenizer():
-    """The tests' byte-level tokenizer: outputs past its 260 ids detokenize to nothing, and
-    the benchmark needs no text."""
+def write_checkpoint() -> Path:
+    """The random model with the tests' byte-level tokenizer (outputs past its 260 ids
+    detokenize to nothing; the benchmark needs no text)."""
     import tempfile
 
-    from engine.tokenizer import load_tokenizer
+    from tests.engine.tiny_gguf import tiny_llama
     from tests.engine.tiny_model import write_byte_tokenizer
 
     directory = Path(tempfile.mkdtemp())
+    tiny_llama(**DIMS, initializer_range=0.02).save_pretrained(directory)
     write_byte_tokenizer(directory)
-    return load_tokenizer(directory)
+    return directory
 
 
 if __name__ == "__main__":

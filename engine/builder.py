@@ -24,8 +24,9 @@ from engine.protocol import Engine
 from engine.tokenizer import Tokenizer, load_tokenizer
 from engine.weights import Checkpoint, open_checkpoint, resolve_model
 from sharding import multihost
+from sharding.layout import ShardingLayout
 from sharding.mesh import make_mesh, replica_meshes
-from sharding.rules import ShardingPlan
+from sharding.rules import ShardingPlan, check_layout
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,8 @@ def _engines(
     )
     if layout.num_devices == 1 and not multi:
         return engine(checkpoint.load_params(quantization=config.quantization, progress=True))
-    devices = None if multi else jax.devices()[: layout.num_devices]
-    meshes = replica_meshes(make_mesh(layout, devices), layout)
+    check_layout(layout, checkpoint.cfg)  # before any weight is read
+    meshes = replica_meshes(make_mesh(layout, _devices(layout)), layout)
     if len(meshes) > 1 and multi:
         raise XlaserveError("data parallelism across processes: run one server per replica")
     replicas = []
@@ -109,6 +110,22 @@ def _engines(
         params = checkpoint.load_params(plan, config.quantization)
         replicas.append(engine(params, mesh=mesh, layout=layout))
     return replicas[0] if len(replicas) == 1 else DataParallelEngine(replicas)
+
+
+def _devices(layout: ShardingLayout) -> list[jax.Device] | None:
+    """The devices a layout's mesh spans. A named layout (the parallel-size flags) takes the
+    first devices it needs, as vLLM's sizes do; any other layout describes the whole mesh, so
+    its axis sizes must multiply to the number of devices (None: all of them, every process's)."""
+    if jax.process_count() > 1 or layout != _named_twin(layout):
+        return None
+    return jax.devices()[: layout.num_devices]
+
+
+def _named_twin(layout: ShardingLayout) -> ShardingLayout | None:
+    if layout.axis_names != ("dp", "pp", "tp"):
+        return None
+    dp, pp, tp = layout.shape
+    return ShardingLayout.named(dp=dp, pp=pp, tp=tp)
 
 
 def _lead(engine: LLMEngine) -> None:
