@@ -111,6 +111,50 @@ CASES = [
         "messages[0].content",
     ),
     ("too many stop strings", CMPL, cmpl(stop=["x"] * 17), None, 400, "stop"),
+    # Booleans are not coerced (OpenAI and vLLM refuse these too).
+    ("stream as a string", CMPL, cmpl(stream="yes"), None, 400, "stream"),
+    ("stream as a number in chat", CHAT, chat(stream=1), None, 400, "stream"),
+    ("echo as a string", CMPL, cmpl(echo="true"), None, 400, "echo"),
+    (
+        "include_usage as a string",
+        CHAT,
+        chat(stream=True, stream_options={"include_usage": "yes"}),
+        None,
+        400,
+        "stream_options.include_usage",
+    ),
+    (
+        "stream_options without stream",
+        CMPL,
+        cmpl(stream_options={"include_usage": True}),
+        None,
+        400,
+        "stream_options",
+    ),
+    (
+        "stream_options with stream false",
+        CHAT,
+        chat(stream=False, stream_options={"include_usage": True}),
+        None,
+        400,
+        "stream_options",
+    ),
+    (
+        "user message without content",
+        CHAT,
+        chat(messages=[{"role": "user"}]),
+        None,
+        400,
+        "messages[0].content",
+    ),
+    (
+        "system message with null content",
+        CHAT,
+        chat(messages=[{"role": "system", "content": None}, *USER]),
+        None,
+        400,
+        "messages[0].content",
+    ),
     ("unknown model", CMPL, cmpl(model="gpt-9"), None, 404, "model"),
     ("unknown model in chat", CHAT, chat(model="gpt-9"), None, 404, "model"),
     ("missing API key", CMPL, cmpl(), {}, 401, None),
@@ -167,6 +211,15 @@ def test_server_healthy_and_serving_after_the_table(http) -> None:
     assert http.get("/health").status_code == 200
     out = http.post(CMPL, json=cmpl(max_tokens=3, ignore_eos=True)).json()
     assert out["usage"]["completion_tokens"] == 3
+
+
+def test_null_stream_and_an_assistant_message_without_content_are_accepted(http) -> None:
+    """What the strict checks above must not refuse (OpenAI accepts both)."""
+    out = http.post(CMPL, json=cmpl(stream=None, echo=False)).json()
+    assert out["object"] == "text_completion", out
+    messages = [*USER, {"role": "assistant"}, {"role": "user", "content": "again"}]
+    out = http.post(CHAT, json=chat(messages=messages, stream=False)).json()
+    assert out["object"] == "chat.completion", out
 
 
 def test_unknown_path_and_method(http) -> None:
