@@ -124,7 +124,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "--max-queued-requests",
         type=_non_negative_int,
         default=1024,
-        help="answer 503 when more requests than this wait for their first token",
+        help="requests that may wait while --max-num-seqs run (per data-parallel replica); "
+        "beyond that many admitted at once, HTTP answers 503 with Retry-After and gRPC "
+        "RESOURCE_EXHAUSTED",
     )
     serve.add_argument("--max-request-bytes", type=parse_bytes, default=8 * 2**20)
     serve.add_argument(

@@ -26,6 +26,7 @@ import uvicorn
 
 from engine.errors import XlaserveError
 from engine.tokenizer import Tokenizer
+from serving.admission import AdmissionLimit
 from serving.async_engine import AsyncEngine
 from serving.openai import attach_engine, create_app
 from sharding import multihost
@@ -45,12 +46,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if distributed and not multihost.is_leader():
         return _follow(args)
     name = args.served_model_name or args.model
+    # One limit for HTTP and gRPC: running (every replica's) plus waiting requests.
+    admission = AdmissionLimit(
+        args.max_num_seqs * args.data_parallel_size, args.max_queued_requests
+    )
     app = create_app(
         None,
         None,
         name,
         api_key=args.api_key,
-        max_queued_requests=args.max_queued_requests,
+        admission=admission,
         max_body_bytes=args.max_request_bytes,
     )
     config = uvicorn.Config(
@@ -62,10 +67,12 @@ def run_serve(args: argparse.Namespace) -> int:
         lifespan="off",
     )
     server = _Server(config)
-    return asyncio.run(_serve(args, app, server, name))
+    return asyncio.run(_serve(args, app, server, name, admission))
 
 
-async def _serve(args: argparse.Namespace, app: Any, server: _Server, name: str) -> int:
+async def _serve(
+    args: argparse.Namespace, app: Any, server: _Server, name: str, admission: AdmissionLimit
+) -> int:
     loop = asyncio.get_running_loop()
     loaded: dict[str, Any] = {}
 
@@ -76,7 +83,7 @@ async def _serve(args: argparse.Namespace, app: Any, server: _Server, name: str)
             _watch_followers(async_engine, loop, on_follower_dead)
         if args.grpc_port is not None:
             try:
-                loaded["grpc"] = _start_grpc(async_engine, tokenizer, args, name)
+                loaded["grpc"] = _start_grpc(async_engine, tokenizer, args, name, admission)
             except Exception as e:  # e.g. the port is taken
                 on_failed(e)
                 return
@@ -247,13 +254,19 @@ def _watch_followers(
 
 
 def _start_grpc(
-    async_engine: AsyncEngine, tokenizer: Tokenizer, args: argparse.Namespace, name: str
+    async_engine: AsyncEngine,
+    tokenizer: Tokenizer,
+    args: argparse.Namespace,
+    name: str,
+    admission: AdmissionLimit,
 ) -> Any:
     if importlib.util.find_spec("serving.grpc.server") is None:
         raise XlaserveError("--grpc-port given, but this build has no gRPC server")
     from serving.grpc.server import start_grpc_server
 
-    handle = start_grpc_server(async_engine, tokenizer, args.grpc_port, name, host=args.host)
+    handle = start_grpc_server(
+        async_engine, tokenizer, args.grpc_port, name, host=args.host, admission=admission
+    )
     log.info("gRPC on %s:%d", args.host, handle.port)
     return handle
 

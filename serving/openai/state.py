@@ -6,19 +6,26 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput, SamplingParams, validate_prompt, validate_token_ids
 from engine.scheduler import context_length_error
 from engine.tokenizer import Tokenizer
+from serving.admission import Admission, AdmissionLimit
 from serving.async_engine import AsyncEngine
 from serving.openai.errors import APIError
 from serving.openai.metrics import ServerMetrics
+
+LOADING_RETRY_AFTER_S = 5
+_ADMISSIONS = "xlaserve.admissions"  # the ASGI scope's key for a request's admissions
 
 
 @dataclass(frozen=True)
 class ServerLimits:
     api_key: str | None = None
-    max_queued_requests: int = 1024  # requests waiting for their first token
+    admission: AdmissionLimit | None = None  # None: every request is admitted
     max_body_bytes: int = 8 * 2**20
 
 
@@ -32,7 +39,6 @@ class ServerState:
         self.created = int(time.time())
         self.async_engine: AsyncEngine | None = None
         self.tokenizer: Tokenizer | None = None
-        self.num_queued = 0
         self.metrics = ServerMetrics(self._llm_engine, served_model_name)
 
     def attach(self, async_engine: AsyncEngine, tokenizer: Tokenizer) -> None:
@@ -50,7 +56,8 @@ class ServerState:
 
     def ready(self) -> tuple[AsyncEngine, Tokenizer]:
         if self.async_engine is None or self.tokenizer is None:
-            raise APIError(503, "the model is still loading; retry shortly")
+            message = "the model is still loading; retry shortly"
+            raise APIError(503, message, retry_after=LOADING_RETRY_AFTER_S)
         if not self.async_engine.is_healthy:
             raise APIError(503, "the engine is not serving (stopped or failed); see the logs")
         return self.async_engine, self.tokenizer
@@ -75,33 +82,54 @@ class ServerState:
             message = context_length_error(self.max_model_len, len(prompt_ids), params.max_tokens)
             raise APIError(400, message, param="input_tokens")
 
-    def check_queue(self, num_requests: int) -> None:
-        limit = self.limits.max_queued_requests
-        if self.num_queued + num_requests > limit:
-            raise APIError(503, f"server busy: more than {limit} requests are waiting; retry later")
+    def admit(self, request: Request, num_requests: int) -> None:
+        """Admits `num_requests` engine requests for this HTTP request, or raises
+        ServerBusyError (503 with Retry-After) when the server holds as many as it may (see
+        serving/admission.py). Checked and counted at once, with nothing awaited in between;
+        `ReleaseAdmissions` gives them back when the request's answer has been sent, or has
+        failed, or its client went away, even if a stream was never iterated."""
+        if self.limits.admission is None:
+            return
+        admissions = request.scope.get(_ADMISSIONS)
+        assert admissions is not None, "the app must run under ReleaseAdmissions"
+        admissions.append(self.limits.admission.admit(num_requests))
 
     # ---- generation --------------------------------------------------------------------------
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's stream for one prompt, counted as queued until its first token, with
-        latency metrics observed."""
+        """The engine's stream for one prompt, with latency metrics observed."""
         async_engine, _ = self.ready()
         started = time.monotonic()
         first: float | None = None
-        self.num_queued += 1
-        try:
-            async for output in async_engine.generate(
-                request_id, prompt_ids, params, priority=priority
-            ):
-                if first is None:
-                    first = time.monotonic()
-                    self.num_queued -= 1
-                    self.metrics.first_token(first - started)
-                if output.finished:
-                    self.metrics.finished(output, started, first, time.monotonic())
-                yield output
-        finally:
+        async for output in async_engine.generate(
+            request_id, prompt_ids, params, priority=priority
+        ):
             if first is None:
-                self.num_queued -= 1
+                first = time.monotonic()
+                self.metrics.first_token(first - started)
+            if output.finished:
+                self.metrics.finished(output, started, first, time.monotonic())
+            yield output
+
+
+class ReleaseAdmissions:
+    """ASGI middleware: gives back what `ServerState.admit` took for a request once the app
+    has finished with it: its answer (streamed or not) sent, an error answered, the client
+    gone, or the task cancelled; a StreamingResponse that never ran its body included."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        admissions: list[Admission] = []
+        scope[_ADMISSIONS] = admissions
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for admission in admissions:
+                admission.release()

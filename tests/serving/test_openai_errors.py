@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from engine.errors import InvalidRequestError
 from engine.tokenizer import load_tokenizer
+from serving.admission import AdmissionLimit, ServerBusyError
 from serving.openai import create_app
 from tests.engine.tiny_model import write_byte_tokenizer
 from tests.serving.openai_server import API_KEY
@@ -237,6 +240,7 @@ class _StuckEngine:
     def __init__(self) -> None:
         cfg = SimpleNamespace(vocab_size=260)
         self.engine = SimpleNamespace(cfg=cfg, scheduler_config=SimpleNamespace(max_model_len=64))
+
         self.is_healthy = True
 
     async def generate(self, request_id, prompt, params, *, priority=0):
@@ -251,30 +255,93 @@ def byte_tokenizer(tmp_path_factory):
     return load_tokenizer(directory)
 
 
+def _assert_503(response: httpx.Response, words: str) -> None:
+    assert response.status_code == 503, response.text
+    assert int(response.headers["Retry-After"]) >= 1
+    error = response.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+    assert words in error["message"], error
+
+
 def test_health_and_requests_answer_503_while_loading(byte_tokenizer) -> None:
     async def main() -> None:
         app = create_app(None, None, "tiny")
         async with _client(app) as client:
-            assert (await client.get("/health")).status_code == 503
-            response = await client.post(CMPL, json=cmpl())
-            assert response.status_code == 503
-            assert response.json()["error"]["type"] == "ServiceUnavailableError"
+            _assert_503(await client.get("/health"), "loading")
+            _assert_503(await client.post(CMPL, json=cmpl()), "loading")
 
     asyncio.run(main())
 
 
-def test_more_than_max_queued_requests_get_503(byte_tokenizer) -> None:
+def test_the_admission_limit_holds_and_every_way_out_gives_back(byte_tokenizer) -> None:
+    """2 running + 1 waiting: a streamed and a whole request and a 2-prompt one fill it only
+    as far as the limit; a client going away (streamed or not) gives its place back, and so
+    does a stream whose body never ran."""
+    limit = AdmissionLimit(max_running=2, max_queued=1)
+    app = create_app(_StuckEngine(), byte_tokenizer, "tiny", admission=limit)  # type: ignore[arg-type]
+
     async def main() -> None:
-        app = create_app(_StuckEngine(), byte_tokenizer, "tiny", max_queued_requests=1)  # type: ignore[arg-type]
         async with _client(app) as client:
-            stuck = asyncio.create_task(client.post(CMPL, json=cmpl()))
-            await asyncio.sleep(0.2)
-            response = await client.post(CHAT, json=chat())
-            assert response.status_code == 503, response.text
-            assert "waiting" in response.json()["error"]["message"]
-            stuck.cancel()
+            whole = asyncio.create_task(client.post(CMPL, json=cmpl()))
+            streamed = asyncio.create_task(client.post(CHAT, json=chat(stream=True)))
+            await _until(lambda: limit.num_admitted == 2)
+            _assert_503(await client.post(CMPL, json=cmpl(prompt=["a", "b"])), "server busy")
+            assert limit.num_admitted == 2
+            third = asyncio.create_task(client.post(CMPL, json=cmpl(prompt=[1, 2])))
+            await _until(lambda: limit.num_admitted == 3)
+            _assert_503(await client.post(CHAT, json=chat()), "server busy")
+            for task in (whole, streamed, third):  # the clients go away
+                task.cancel()
+            await _until(lambda: limit.num_admitted == 0)
+            await _send_nothing_of_a_stream(app)
+            assert limit.num_admitted == 0
 
     asyncio.run(main())
+
+
+async def _send_nothing_of_a_stream(app) -> None:
+    """A streamed request whose client is gone before the response starts: the StreamingResponse
+    is returned, but its body is never iterated."""
+    body = json.dumps(chat(stream=True)).encode()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"app")],
+        "server": ("app", 80), "client": ("test", 1), "root_path": "",
+    }  # fmt: skip
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else await asyncio.Event().wait()
+
+    async def send(message):
+        raise OSError("the client is gone")
+
+    with pytest.raises(BaseException):  # noqa: B017 - how the app reports a dead client varies
+        await app(scope, receive, send)
+
+
+async def _until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_admission_counts_and_gives_back_exactly_once() -> None:
+    limit = AdmissionLimit(max_running=2, max_queued=1)
+    first = limit.admit(2)
+    with pytest.raises(ServerBusyError, match="2 running \\+ 1 waiting"):
+        limit.admit(2)
+    with limit.admit(1):
+        assert limit.num_admitted == 3
+    assert limit.num_admitted == 2
+    first.release()
+    first.release()  # a second release gives nothing back
+    assert limit.num_admitted == 0
+    with pytest.raises(InvalidRequestError, match="at most 3"):
+        limit.admit(4)  # could never be admitted: a 400, not a 503
+    assert limit.num_admitted == 0
 
 
 def _client(app) -> httpx.AsyncClient:
