@@ -130,6 +130,15 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--max-request-bytes", type=parse_bytes, default=8 * 2**20)
     serve.add_argument(
+        "--step-timeout",
+        type=_positive_float,
+        default=None,
+        help="seconds without a finished engine step, while requests wait, after which /health "
+        "and the gRPC health answer unhealthy (and new requests are refused) until a step "
+        "finishes (default: 10 times the slowest step or bucket compilation seen so far, at "
+        "least 120)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=_non_negative_float,
         default=30.0,
@@ -260,6 +269,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 

@@ -142,7 +142,8 @@ def load_engine(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
         and jax.process_count() == 1
     )
     engine, tokenizer = _load(args, warm_up=not background)
-    return AsyncEngine(engine, warm_up_when_idle=background), tokenizer
+    async_engine = AsyncEngine(engine, warm_up_when_idle=background, step_timeout=args.step_timeout)
+    return async_engine, tokenizer
 
 
 def _load(args: argparse.Namespace, *, warm_up: bool) -> tuple[Any, Tokenizer]:

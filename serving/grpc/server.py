@@ -10,12 +10,13 @@ Host code: never imports jax. Two ways to run it:
   HTTP server's lifespan); `await server.stop()` on what it returns stops it.
 
 Status codes: a request the engine refuses (bad sampling parameters, empty prompt, prompt over
-the context, ...) -> INVALID_ARGUMENT with the validation message, which names the field; a dead
-or stopping engine -> UNAVAILABLE; a server that already holds as many
+the context, ...) -> INVALID_ARGUMENT with the validation message, which names the field; a dead,
+stopping or stalled engine -> UNAVAILABLE, with the reason; a server that already holds as many
 requests as its admission limit allows (shared with the HTTP server: serving/admission.py) ->
 RESOURCE_EXHAUSTED, with `grpc-retry-pushback-ms` in the trailing metadata. Cancelling a
 Generate call closes the engine stream, which aborts the request and frees its KV pages within
-one engine step.
+one engine step. The health service reports NOT_SERVING while the engine loop is dead, stopping
+or stalled (AsyncEngine.health), polled every HEALTH_POLL_S.
 """
 
 from __future__ import annotations

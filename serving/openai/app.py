@@ -126,7 +126,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 
 @_open.get("/health")
 async def health(request: Request) -> Response:
-    _state_of(request.app).ready()  # 503 while loading or when the engine loop is dead
+    # 503 with the reason (and Retry-After) while loading, and while the engine loop is dead,
+    # stopping or stalled: no step finished for the step timeout while requests wait.
+    _state_of(request.app).ready()
     return Response(status_code=200)
 
 

@@ -14,7 +14,7 @@ from engine.request import RequestOutput, SamplingParams, validate_prompt, valid
 from engine.scheduler import context_length_error
 from engine.tokenizer import Tokenizer
 from serving.admission import Admission, AdmissionLimit
-from serving.async_engine import AsyncEngine
+from serving.async_engine import AsyncEngine, LoopHealth
 from serving.openai.errors import APIError
 from serving.openai.metrics import ServerMetrics
 
@@ -39,7 +39,7 @@ class ServerState:
         self.created = int(time.time())
         self.async_engine: AsyncEngine | None = None
         self.tokenizer: Tokenizer | None = None
-        self.metrics = ServerMetrics(self._llm_engine, served_model_name)
+        self.metrics = ServerMetrics(self._llm_engine, served_model_name, self._loop_health)
 
     def attach(self, async_engine: AsyncEngine, tokenizer: Tokenizer) -> None:
         self.async_engine = async_engine
@@ -48,6 +48,9 @@ class ServerState:
     def _llm_engine(self) -> LLMEngine | None:
         return self.async_engine.engine if self.async_engine is not None else None
 
+    def _loop_health(self) -> LoopHealth | None:
+        return self.async_engine.health() if self.async_engine is not None else None
+
     # ---- checks, in the order handlers make them ---------------------------------------------
 
     def check_model(self, model: str | None) -> None:
@@ -55,11 +58,14 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     def ready(self) -> tuple[AsyncEngine, Tokenizer]:
+        """503 (with the reason) while loading, and while the engine loop is dead, stopping or
+        stalled (see AsyncEngine.health)."""
         if self.async_engine is None or self.tokenizer is None:
             message = "the model is still loading; retry shortly"
             raise APIError(503, message, retry_after=LOADING_RETRY_AFTER_S)
-        if not self.async_engine.is_healthy:
-            raise APIError(503, "the engine is not serving (stopped or failed); see the logs")
+        health = self.async_engine.health()
+        if not health.ok:
+            raise APIError(503, f"the engine is not serving: {health.reason}")
         return self.async_engine, self.tokenizer
 
     @property

@@ -15,6 +15,7 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.tokenizer import load_tokenizer
 from serving.admission import AdmissionLimit, ServerBusyError
+from serving.async_engine import LoopHealth
 from serving.openai import create_app
 from tests.engine.tiny_model import write_byte_tokenizer
 from tests.serving.openai_server import API_KEY
@@ -241,7 +242,8 @@ class _StuckEngine:
         cfg = SimpleNamespace(vocab_size=260)
         self.engine = SimpleNamespace(cfg=cfg, scheduler_config=SimpleNamespace(max_model_len=64))
 
-        self.is_healthy = True
+    def health(self) -> LoopHealth:
+        return LoopHealth(ok=True, reason="", last_step_age_s=0.0, step_timeout_s=1.0)
 
     async def generate(self, request_id, prompt, params, *, priority=0):
         await asyncio.Event().wait()
