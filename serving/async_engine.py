@@ -4,6 +4,14 @@ an async stream of its outputs, and a caller that goes away aborts its request.
 Host code: never imports jax. Only the engine thread touches the engine: callers post
 requests and aborts to its inbox, and it takes them between steps, so the asyncio loop never
 waits for a step.
+
+Health: besides a dead or stopping loop, a loop that has work (a request running or waiting, or
+an operation in its inbox) and has not finished a step for the step timeout is unhealthy, and
+refuses new requests, until a step finishes again (a step that hung and then finishes brings
+health back). The timeout is `step_timeout` seconds if given, else `STEP_TIMEOUT_FACTOR` times
+the slowest step or idle bucket compilation the loop has timed so far (a step that compiles a
+bucket on the spot counts), and never less than `STEP_TIMEOUT_FLOOR_S`. A watchdog thread looks
+every `WATCHDOG_INTERVAL_S` and logs a stall, with its reason, as it begins and as it ends.
 """
 
 from __future__ import annotations
@@ -11,20 +19,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.errors import XlaserveError
 from engine.protocol import Engine
 from engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+STEP_TIMEOUT_FACTOR = 10  # the automatic step timeout: this times the slowest step timed ...
+STEP_TIMEOUT_FLOOR_S = 120.0  # ... and at least this (a first step may compile a bucket)
+WATCHDOG_INTERVAL_S = 0.5
 
 
 class EngineDeadError(XlaserveError):
-    """The engine loop stopped; nothing more can be served."""
+    """The engine loop stopped or is not making progress; it takes no new requests."""
+
+
+@dataclass(frozen=True)
+class LoopHealth:
+    """Whether the engine loop serves (`ok`), and if not why (`reason`, one line)."""
+
+    ok: bool
+    reason: str  # "" when ok
+    last_step_age_s: float  # since the loop last finished a step (or started, before any)
+    step_timeout_s: float  # how long a step may take while there is work
 
 
 @dataclass
@@ -37,30 +61,53 @@ class AsyncEngine:
     """While no request is waiting, the engine thread compiles the engine's step buckets not
     compiled yet, one at a time (`Engine.warm_up_step`; a bucket a request needs first is
     compiled on the spot), so that a server built with background warm-up answers as soon as
-    its weights are loaded."""
+    its weights are loaded. `step_timeout`: seconds a step may take while there is work before
+    the loop reports unhealthy (None: automatic; see Health in the module's docstring)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, step_timeout: float | None = None):
+        if step_timeout is not None and step_timeout <= 0:
+            raise ValueError(f"{step_timeout=} must be positive (or None: automatic)")
         self.engine = engine
         self._warming = True
+        self._step_timeout = step_timeout
         self._cond = threading.Condition()
+        # Progress, written by the engine thread (and `_post`) under `_cond`:
+        self._last_step_end = time.monotonic()  # when the last step (or compilation) finished
+        self._work_since: float | None = None  # when the loop last went from idle to busy
+        self._slowest_step_s = 0.0
+        self._stalled = False  # as last logged
         self._inbox: deque[Callable[[], None]] = deque()
         self._streams: dict[str, _Stream] = {}
         self._admissions: set[asyncio.Future[None]] = set()  # generate() calls awaiting add
         self._stopping = False
         self.error: BaseException | None = None
+        self._stopped = threading.Event()  # the loop has ended (so does the watchdog)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
+        watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
+        watchdog.start()
 
     # ---- the public surface ------------------------------------------------------------------
 
     @property
     def is_healthy(self) -> bool:
-        return (
-            self.error is None
-            and self._thread.is_alive()
-            and not self._stopping
-            and self.engine.health().ok
-        )
+        return self.health().ok
+
+    def health(self) -> LoopHealth:
+        """The loop's health now; any thread may ask (it reads a few numbers under a lock)."""
+        now = time.monotonic()
+        with self._cond:
+            last, since, slowest = self._last_step_end, self._work_since, self._slowest_step_s
+        timeout = self._step_timeout or max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * slowest)
+        stalled = ""
+        if since is not None and now - max(last, since) > timeout:
+            stalled = (
+                f"no engine step has finished for {now - max(last, since):.1f} s while requests "
+                f"wait; the step timeout is {timeout:g} s"
+            )
+        self._log_stall(stalled)
+        reason = self._stop_reason() or stalled
+        return LoopHealth(not reason, reason, now - last, timeout)
 
     async def generate(
         self,
@@ -130,11 +177,36 @@ class AsyncEngine:
 
     # ---- the engine thread -------------------------------------------------------------------
 
-    def _post(self, operation: Callable[[], None], *, even_if_dead: bool = False) -> None:
+    def _stop_reason(self) -> str:
+        if self._stopping:
+            return "shutting down"
+        if self.error is not None:
+            return f"engine loop died: {self.error!r}"
+        if not self._thread.is_alive():
+            return "engine loop stopped"
+        return self.engine.health().reason
+
+    def _log_stall(self, stalled: str) -> None:
+        """Logs a stall as it begins (with its reason) and ends; a dead loop logs its own end."""
         with self._cond:
-            if not even_if_dead and not self.is_healthy:
-                reason = "shutting down" if self._stopping else f"engine loop died: {self.error!r}"
-                raise EngineDeadError(f"engine is not serving ({reason})")
+            changed = bool(stalled) != self._stalled
+            self._stalled = bool(stalled)
+        if changed and stalled:
+            log.error("engine unhealthy: %s", stalled)
+        elif changed:
+            log.warning("engine healthy again: a step finished")
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(WATCHDOG_INTERVAL_S):
+            self.health()
+
+    def _post(self, operation: Callable[[], None], *, even_if_dead: bool = False) -> None:
+        with self._cond:  # a re-entrant lock: `health` takes it too
+            health = self.health()
+            if not even_if_dead and not health.ok:
+                raise EngineDeadError(f"engine is not serving: {health.reason}")
+            if self._work_since is None:
+                self._work_since = time.monotonic()
             self._inbox.append(operation)
             self._cond.notify()
 
@@ -146,12 +218,15 @@ class AsyncEngine:
             log.exception("engine loop died")
             self.error = e
             self._abort_all(EngineDeadError(f"engine loop died: {e!r}"))
+        finally:
+            self._stopped.set()
 
     def _run_once(self) -> bool:
         """Takes the inbox, then runs one step (or, idle, warms one bucket up); False when it is
         time to stop."""
         with self._cond:
             while not self._inbox and not self.engine.has_unfinished_requests():
+                self._work_since = None  # idle: nothing waits for a step
                 if self._stopping:
                     return False
                 if self._warming:
@@ -162,13 +237,24 @@ class AsyncEngine:
         for operation in operations:
             operation()
         if not operations and not self.engine.has_unfinished_requests():
-            self._warming = self.engine.warm_up_step()
+            self._warming = self._timed(self.engine.warm_up_step)
             if not self._warming:
                 log.info("all %d step buckets compiled", self.engine.stats().num_buckets)
             return True
-        for output in self.engine.step():
+        for output in self._timed(self.engine.step):
             self._deliver(output)
         return True
+
+    def _timed(self, step: Callable[[], T]) -> T:
+        """Runs a step (or a bucket's compilation), recording when it finished and how long it
+        took, for `health`."""
+        start = time.monotonic()
+        result = step()
+        end = time.monotonic()
+        with self._cond:
+            self._last_step_end = end
+            self._slowest_step_s = max(self._slowest_step_s, end - start)
+        return result
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)

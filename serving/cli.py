@@ -141,9 +141,20 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "--max-queued-requests",
         type=_non_negative_int,
         default=1024,
-        help="answer 503 when more requests than this wait for their first token",
+        help="requests that may wait while --max-num-seqs run (per data-parallel replica); "
+        "beyond that many admitted at once, HTTP answers 503 with Retry-After and gRPC "
+        "RESOURCE_EXHAUSTED",
     )
     serve.add_argument("--max-request-bytes", type=parse_bytes, default=8 * 2**20)
+    serve.add_argument(
+        "--step-timeout",
+        type=_positive_float,
+        default=None,
+        help="seconds without a finished engine step, while requests wait, after which /health "
+        "and the gRPC health answer unhealthy (and new requests are refused) until a step "
+        "finishes (default: 10 times the slowest step or bucket compilation seen so far, at "
+        "least 120)",
+    )
     serve.add_argument(
         "--shutdown-timeout",
         type=_non_negative_float,
@@ -211,6 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        step_timeout=args.step_timeout,
         verbose=args.verbose,
     )
     return run_serve(serve_config(args), options)
@@ -376,6 +388,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 

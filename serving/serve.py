@@ -26,6 +26,7 @@ import uvicorn
 from engine.builder import build_engine, run_follower, start_processes
 from engine.config import EngineConfig
 from engine.errors import XlaserveError
+from serving.admission import AdmissionLimit
 from serving.async_engine import AsyncEngine
 from serving.openai import attach_engine, create_app
 from sharding import multihost
@@ -48,6 +49,7 @@ class ServeOptions:
     max_queued_requests: int = 1024
     max_request_bytes: int = 8 * 2**20
     shutdown_timeout: float = 30.0  # seconds running requests get on SIGTERM or Ctrl-C
+    step_timeout: float | None = None  # see AsyncEngine; None: automatic
     verbose: bool = False
 
 
@@ -58,11 +60,16 @@ def run_serve(config: EngineConfig, options: ServeOptions) -> int:
     if not start_processes(config):
         run_follower(config)
         return 0
+    # One limit for HTTP and gRPC: running (every replica's) plus waiting requests.
+    admission = AdmissionLimit(
+        config.scheduler.max_num_seqs * config.parallel.layout.num_replicas,
+        options.max_queued_requests,
+    )
     app = create_app(
         None,
         options.served_model_name,
         api_key=options.api_key,
-        max_queued_requests=options.max_queued_requests,
+        admission=admission,
         max_body_bytes=options.max_request_bytes,
     )
     server_config = uvicorn.Config(
@@ -74,10 +81,16 @@ def run_serve(config: EngineConfig, options: ServeOptions) -> int:
         lifespan="off",
     )
     server = _Server(server_config)
-    return asyncio.run(_serve(config, options, app, server))
+    return asyncio.run(_serve(config, options, app, server, admission))
 
 
-async def _serve(config: EngineConfig, options: ServeOptions, app: Any, server: _Server) -> int:
+async def _serve(
+    config: EngineConfig,
+    options: ServeOptions,
+    app: Any,
+    server: _Server,
+    admission: AdmissionLimit,
+) -> int:
     loop = asyncio.get_running_loop()
     loaded: dict[str, Any] = {}
 
@@ -87,7 +100,7 @@ async def _serve(config: EngineConfig, options: ServeOptions, app: Any, server: 
         loaded["watch"] = asyncio.create_task(_watch_fatal(async_engine, on_fatal))
         if options.grpc_port is not None:
             try:
-                loaded["grpc"] = _start_grpc(async_engine, options)
+                loaded["grpc"] = _start_grpc(async_engine, options, admission)
             except Exception as e:  # e.g. the port is taken
                 on_failed(e)
                 return
@@ -108,7 +121,7 @@ async def _serve(config: EngineConfig, options: ServeOptions, app: Any, server: 
 
     def load() -> None:
         try:
-            async_engine = AsyncEngine(build_engine(config))
+            async_engine = AsyncEngine(build_engine(config), step_timeout=options.step_timeout)
         except BaseException as e:
             loop.call_soon_threadsafe(on_failed, e)
         else:
@@ -150,14 +163,18 @@ async def _watch_fatal(
         await asyncio.sleep(FATAL_POLL_SECONDS)
 
 
-def _start_grpc(async_engine: AsyncEngine, options: ServeOptions) -> Any:
+def _start_grpc(async_engine: AsyncEngine, options: ServeOptions, admission: AdmissionLimit) -> Any:
     if importlib.util.find_spec("serving.grpc.server") is None:
         raise XlaserveError("--grpc-port given, but this build has no gRPC server")
     from serving.grpc.server import start_grpc_server
 
     assert options.grpc_port is not None
     handle = start_grpc_server(
-        async_engine, options.grpc_port, options.served_model_name, host=options.host
+        async_engine,
+        options.grpc_port,
+        options.served_model_name,
+        host=options.host,
+        admission=admission,
     )
     log.info("gRPC on %s:%d", options.host, handle.port)
     return handle

@@ -10,9 +10,13 @@ Host code: never imports jax. Two ways to run it:
   HTTP server's lifespan); `await server.stop()` on what it returns stops it.
 
 Status codes: a request the engine refuses (bad sampling parameters, empty prompt, prompt over
-the context, ...) -> INVALID_ARGUMENT with the validation message, which names the field; a dead
-or stopping engine -> UNAVAILABLE. Cancelling a Generate call closes the engine stream, which
-aborts the request and frees its KV pages within one engine step.
+the context, ...) -> INVALID_ARGUMENT with the validation message, which names the field; a dead,
+stopping or stalled engine -> UNAVAILABLE, with the reason; a server that already holds as many
+requests as its admission limit allows (shared with the HTTP server: serving/admission.py) ->
+RESOURCE_EXHAUSTED, with `grpc-retry-pushback-ms` in the trailing metadata. Cancelling a
+Generate call closes the engine stream, which aborts the request and frees its KV pages within
+one engine step. The health service reports NOT_SERVING while the engine loop is dead, stopping
+or stalled (AsyncEngine.health), polled every HEALTH_POLL_S.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -33,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
 from engine.request import RequestOutput
+from serving.admission import RETRY_AFTER_S, AdmissionLimit, ServerBusyError
 from serving.async_engine import AsyncEngine, EngineDeadError
 from serving.grpc.convert import (
     check_token_ids,
@@ -49,11 +54,27 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 class GenerationService(pb2_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, served_model_name: str):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        admission: AdmissionLimit | None = None,  # None: every request is admitted
+    ):
         self._engine = engine
         self._tokenizer = engine.engine.tokenizer
         self._info = engine.engine.model_info()
         self._model_name = served_model_name
+        self._admission = admission
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        """Raises ServerBusyError when the admission limit is reached (checked and counted at
+        once, nothing awaited in between); leaving the block gives the admission back."""
+        if self._admission is None:
+            yield
+            return
+        with self._admission.admit(1):
+            yield
 
     async def Generate(
         self, request: pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -69,11 +90,11 @@ class GenerationService(pb2_grpc.GenerationServicer):
                 AsyncGenerator[RequestOutput, None],
                 self._engine.generate(request_id, prompt, params, priority=request.priority),
             )
-            async with contextlib.aclosing(stream):
+            async with self._admitted(), contextlib.aclosing(stream):
                 async for output in stream:  # deltas: each is sent as it is
                     for message in stream_messages(output, params):
                         await context.write(message)
-        except (InvalidRequestError, EngineDeadError) as e:
+        except (InvalidRequestError, EngineDeadError, ServerBusyError) as e:
             await _abort(context, e)
 
     async def Tokenize(
@@ -114,6 +135,9 @@ class GenerationService(pb2_grpc.GenerationServicer):
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    if isinstance(error, ServerBusyError):
+        pushback = (("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000)),)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), pushback)
     code = (
         grpc.StatusCode.INVALID_ARGUMENT
         if isinstance(error, InvalidRequestError)
@@ -148,11 +172,14 @@ async def serve_grpc(
     served_model_name: str,
     *,
     host: str = "127.0.0.1",
+    admission: AdmissionLimit | None = None,
 ) -> AioGrpcServer:
-    """Starts the gRPC server on the running event loop, listening on host:port."""
+    """Starts the gRPC server on the running event loop, listening on host:port. `admission`:
+    the limit on requests running or waiting at once (shared with the HTTP server of the same
+    engine); None admits every request."""
     # Without SO_REUSEPORT a port that is already taken fails here instead of being shared.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    service = GenerationService(async_engine, served_model_name)
+    service = GenerationService(async_engine, served_model_name, admission)
     pb2_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -232,13 +259,14 @@ def start_grpc_server(
     served_model_name: str,
     *,
     host: str = "127.0.0.1",
+    admission: AdmissionLimit | None = None,
 ) -> GrpcServerHandle:
     """Starts the gRPC server on a thread of its own; returns once it is listening (port 0
     picks a free port: see `handle.port`). Raises what binding or starting raised."""
     handle = GrpcServerHandle()
 
     def start() -> Awaitable[AioGrpcServer]:
-        return serve_grpc(async_engine, port, served_model_name, host=host)
+        return serve_grpc(async_engine, port, served_model_name, host=host, admission=admission)
 
     handle._thread = threading.Thread(target=handle._run, args=(start,), name="grpc-server")
     handle._thread.daemon = True

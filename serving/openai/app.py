@@ -10,12 +10,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
+from serving.admission import AdmissionLimit
 from serving.async_engine import AsyncEngine
 from serving.openai import chat, completions
 from serving.openai.errors import APIError, BodySizeLimit, install_error_handlers
 from serving.openai.metrics import CONTENT_TYPE
 from serving.openai.protocol import DetokenizeRequest, TokenizeRequest
-from serving.openai.state import ServerLimits, ServerState
+from serving.openai.state import ReleaseAdmissions, ServerLimits, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -25,16 +26,19 @@ def create_app(
     served_model_name: str,
     *,
     api_key: str | None = None,
-    max_queued_requests: int = 1024,
+    admission: AdmissionLimit | None = None,
     max_body_bytes: int = 8 * 2**20,
 ) -> FastAPI:
+    """`admission`: how many requests may run or wait at once (share it with a gRPC server on
+    the same engine); None admits every request."""
     app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None, openapi_url=None)
-    limits = ServerLimits(api_key, max_queued_requests, max_body_bytes)
+    limits = ServerLimits(api_key, admission, max_body_bytes)
     app.state.server = ServerState(served_model_name, limits)
     if async_engine is not None:
         attach_engine(app, async_engine)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(ReleaseAdmissions)
     guarded = [Depends(_check_api_key)]
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(chat.router, dependencies=guarded)
@@ -120,7 +124,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 
 @_open.get("/health")
 async def health(request: Request) -> Response:
-    _state_of(request.app).ready()  # 503 while loading or when the engine loop is dead
+    # 503 with the reason (and Retry-After) while loading, and while the engine loop is dead,
+    # stopping or stalled: no step finished for the step timeout while requests wait.
+    _state_of(request.app).ready()
     return Response(status_code=200)
 
 

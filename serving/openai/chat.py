@@ -47,7 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=state.vocab_size
     )
     state.check_prompt(prompt_ids, params)
-    state.check_queue(1)
+    state.admit(request, 1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.generate(request_id, prompt_ids, params, body.priority)
     answer = _ChatAnswer(request_id, state.served_model_name, tokenizer, params)

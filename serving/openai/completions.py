@@ -42,7 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     )
     for ids in prompts:
         state.check_prompt(ids, params)
-    state.check_queue(len(prompts))
+    state.admit(request, len(prompts))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = [
         state.generate(f"{request_id}-{i}", ids, params, body.priority)

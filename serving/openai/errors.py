@@ -2,7 +2,8 @@
 HTTP status equal to `code`, OpenAI's shape, so that its clients raise the matching exception.
 
 A client's input gives a 4xx (schema errors included: 400, never FastAPI's 422); only a bug in
-the server gives a 500, logged with its traceback.
+the server gives a 500, logged with its traceback. Every 503 (loading, busy, engine not
+serving) carries a Retry-After header.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import InvalidRequestError, XlaserveError
+from serving.admission import RETRY_AFTER_S, ServerBusyError
 from serving.async_engine import EngineDeadError
 
 log = logging.getLogger(__name__)
@@ -38,11 +40,19 @@ ERROR_TYPES = {
 class APIError(Exception):
     """An error to answer with: HTTP status, message, and the request field it concerns."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: int = RETRY_AFTER_S,  # seconds, sent with a 503
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after = retry_after
 
 
 class ClientDisconnected(Exception):
@@ -54,8 +64,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(error.retry_after)} if error.status == 503 else None
+    body = error_body(error.status, error.message, error.param)
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 def as_api_error(error: Exception) -> APIError:
@@ -64,7 +76,7 @@ def as_api_error(error: Exception) -> APIError:
         return error
     if isinstance(error, InvalidRequestError):
         return APIError(400, str(error), param=error.param)
-    if isinstance(error, EngineDeadError):
+    if isinstance(error, (EngineDeadError, ServerBusyError)):
         return APIError(503, str(error))
     if isinstance(error, XlaserveError):  # chat template errors, tokenizer errors
         return APIError(400, str(error))
@@ -74,17 +86,16 @@ def as_api_error(error: Exception) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_error(request: Request, error: Exception) -> JSONResponse:
-        api_error = as_api_error(error)
-        return error_response(api_error.status, api_error.message, api_error.param)
+        return error_response(as_api_error(error))
 
     async def on_validation(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
         message, param = describe_validation_errors(error.errors())
-        return error_response(400, message, param)
+        return error_response(APIError(400, message, param=param))
 
     async def on_http(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, StarletteHTTPException)
-        return error_response(error.status_code, str(error.detail))
+        return error_response(APIError(error.status_code, str(error.detail)))
 
     async def on_disconnect(request: Request, error: Exception) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it

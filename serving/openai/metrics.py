@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from engine import compilation
 from engine.protocol import Engine
 from engine.request import RequestOutput
+from serving.async_engine import LoopHealth
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -67,10 +68,38 @@ class _EngineCollector(Collector):
         return family
 
 
+class _LoopCollector(Collector):
+    """The engine loop's progress, read at scrape time: with `/health`, what tells a stuck
+    engine from an idle one (the age grows in both; health adds whether requests wait)."""
+
+    def __init__(self, health: Callable[[], LoopHealth | None], model_name: str):
+        self._health = health
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        health = self._health()
+        if health is None:
+            return
+        family = GaugeMetricFamily(
+            "xlaserve:last_step_age_seconds",
+            "Seconds since the engine loop last finished a step (or compiled a bucket while "
+            "idle); /health turns 503 when requests wait and this passes the step timeout.",
+            labels=["model_name"],
+        )
+        family.add_metric([self._model_name], health.last_step_age_s)
+        yield family
+
+
 class ServerMetrics:
-    def __init__(self, engine: Callable[[], Engine | None], model_name: str):
+    def __init__(
+        self,
+        engine: Callable[[], Engine | None],
+        model_name: str,
+        loop_health: Callable[[], LoopHealth | None] = lambda: None,
+    ):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_LoopCollector(loop_health, model_name))
         self._model = model_name
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

@@ -56,9 +56,12 @@ def _logit_bias(bias: Mapping[str, float] | None) -> dict[int, float] | None:
 
 
 def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """A 400 that says so for features not implemented yet, rather than ignoring them."""
+    """A 400 that says so for features not implemented yet, and for fields that contradict
+    each other, rather than ignoring them."""
     if body.best_of not in (None, 1):
         _refuse("best_of", "best_of other than 1 is not supported")
+    if body.stream_options is not None and not body.stream:
+        _refuse("stream_options", "stream_options may only be given with stream: true")
     if isinstance(body, CompletionRequest):
         if body.suffix is not None:
             _refuse("suffix", "suffix (insertion) is not supported")

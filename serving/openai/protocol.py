@@ -2,14 +2,15 @@
 
 Field names, types and defaults follow OpenAI's API and vLLM's extensions. Schema errors become
 400s naming the field (see errors.py); value checks (temperature >= 0, top_p in (0, 1], ...)
-are SamplingParams' own, so the HTTP API and the engine agree on them.
+are SamplingParams' own, so the HTTP API and the engine agree on them. Booleans are strict, as
+OpenAI's are: `"stream": "yes"` or `1` is refused, not read as true.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -42,7 +43,7 @@ def _has_surrogate(value: Any) -> bool:
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(_Body):
@@ -59,7 +60,7 @@ class _Sampling(_Body):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     user: str | None = None
-    stream: bool = False
+    stream: StrictBool | None = False  # null: not streamed
     stream_options: StreamOptions | None = None
     best_of: int | None = None
     # vLLM's extensions
@@ -67,10 +68,10 @@ class _Sampling(_Body):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     stop_token_ids: list[Token] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
+    include_stop_str_in_output: StrictBool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = Field(0, ge=0)
-    skip_special_tokens: bool = True
+    skip_special_tokens: StrictBool = True
     priority: int = Field(0, ge=-(2**31), lt=2**31)
 
 
@@ -78,7 +79,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Token] | list[list[Token]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
 
 
@@ -96,8 +97,17 @@ class OtherPart(BaseModel):
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart | OtherPart] | None = None
+    # Only an assistant's message may go without content (OpenAI's rule).
+    content: str | list[TextPart | OtherPart] | None = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_given(cls, value: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if value is None and role in ("system", "user"):
+            raise ValueError(f"a {role} message must have content")
+        return value
 
 
 class ResponseFormat(BaseModel):
@@ -108,21 +118,21 @@ class ResponseFormat(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     response_format: ResponseFormat | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
 
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(_Body):

@@ -6,6 +6,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from engine.protocol import Engine, ModelInfo
 from engine.request import (
     RequestOutput,
@@ -15,15 +18,19 @@ from engine.request import (
     validate_token_ids,
 )
 from engine.tokenizer import Tokenizer
-from serving.async_engine import AsyncEngine
+from serving.admission import Admission, AdmissionLimit
+from serving.async_engine import AsyncEngine, LoopHealth
 from serving.openai.errors import APIError
 from serving.openai.metrics import ServerMetrics
+
+LOADING_RETRY_AFTER_S = 5
+_ADMISSIONS = "xlaserve.admissions"  # the ASGI scope's key for a request's admissions
 
 
 @dataclass(frozen=True)
 class ServerLimits:
     api_key: str | None = None
-    max_queued_requests: int = 1024  # requests waiting for their first token
+    admission: AdmissionLimit | None = None  # None: every request is admitted
     max_body_bytes: int = 8 * 2**20
 
 
@@ -36,8 +43,7 @@ class ServerState:
         self.limits = limits
         self.created = int(time.time())
         self.async_engine: AsyncEngine | None = None
-        self.num_queued = 0
-        self.metrics = ServerMetrics(self._engine, served_model_name)
+        self.metrics = ServerMetrics(self._engine, served_model_name, self._loop_health)
 
     def attach(self, async_engine: AsyncEngine) -> None:
         self.async_engine = async_engine
@@ -46,6 +52,9 @@ class ServerState:
     def _engine(self) -> Engine | None:
         return self.async_engine.engine if self.async_engine is not None else None
 
+    def _loop_health(self) -> LoopHealth | None:
+        return self.async_engine.health() if self.async_engine is not None else None
+
     # ---- checks, in the order handlers make them ---------------------------------------------
 
     def check_model(self, model: str | None) -> None:
@@ -53,10 +62,14 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     def ready(self) -> tuple[AsyncEngine, Tokenizer]:
+        """503 (with the reason) while loading, and while the engine loop is dead, stopping or
+        stalled (see AsyncEngine.health)."""
         if self.async_engine is None:
-            raise APIError(503, "the model is still loading; retry shortly")
-        if not self.async_engine.is_healthy:
-            raise APIError(503, "the engine is not serving (stopped or failed); see the logs")
+            message = "the model is still loading; retry shortly"
+            raise APIError(503, message, retry_after=LOADING_RETRY_AFTER_S)
+        health = self.async_engine.health()
+        if not health.ok:
+            raise APIError(503, f"the engine is not serving: {health.reason}")
         return self.async_engine, self.async_engine.engine.tokenizer
 
     @property
@@ -80,33 +93,54 @@ class ServerState:
             message = context_length_error(self.max_model_len, len(prompt_ids), params.max_tokens)
             raise APIError(400, message, param="input_tokens")
 
-    def check_queue(self, num_requests: int) -> None:
-        limit = self.limits.max_queued_requests
-        if self.num_queued + num_requests > limit:
-            raise APIError(503, f"server busy: more than {limit} requests are waiting; retry later")
+    def admit(self, request: Request, num_requests: int) -> None:
+        """Admits `num_requests` engine requests for this HTTP request, or raises
+        ServerBusyError (503 with Retry-After) when the server holds as many as it may (see
+        serving/admission.py). Checked and counted at once, with nothing awaited in between;
+        `ReleaseAdmissions` gives them back when the request's answer has been sent, or has
+        failed, or its client went away, even if a stream was never iterated."""
+        if self.limits.admission is None:
+            return
+        admissions = request.scope.get(_ADMISSIONS)
+        assert admissions is not None, "the app must run under ReleaseAdmissions"
+        admissions.append(self.limits.admission.admit(num_requests))
 
     # ---- generation --------------------------------------------------------------------------
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's stream for one prompt, counted as queued until its first token, with
-        latency metrics observed."""
+        """The engine's stream for one prompt, with latency metrics observed."""
         async_engine, _ = self.ready()
         started = time.monotonic()
         first: float | None = None
-        self.num_queued += 1
-        try:
-            async for output in async_engine.generate(
-                request_id, prompt_ids, params, priority=priority
-            ):
-                if first is None:
-                    first = time.monotonic()
-                    self.num_queued -= 1
-                    self.metrics.first_token(first - started)
-                if output.finished:
-                    self.metrics.finished(output, started, first, time.monotonic())
-                yield output
-        finally:
+        async for output in async_engine.generate(
+            request_id, prompt_ids, params, priority=priority
+        ):
             if first is None:
-                self.num_queued -= 1
+                first = time.monotonic()
+                self.metrics.first_token(first - started)
+            if output.finished:
+                self.metrics.finished(output, started, first, time.monotonic())
+            yield output
+
+
+class ReleaseAdmissions:
+    """ASGI middleware: gives back what `ServerState.admit` took for a request once the app
+    has finished with it: its answer (streamed or not) sent, an error answered, the client
+    gone, or the task cancelled; a StreamingResponse that never ran its body included."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        admissions: list[Admission] = []
+        scope[_ADMISSIONS] = admissions
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for admission in admissions:
+                admission.release()

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from engine.errors import InvalidRequestError
 from engine.protocol import ModelInfo
 from engine.tokenizer import Tokenizer, load_tokenizer
+from serving.admission import AdmissionLimit, ServerBusyError
+from serving.async_engine import LoopHealth
 from serving.openai import create_app
 from tests.engine.tiny_model import write_byte_tokenizer
 from tests.serving.openai_server import API_KEY
@@ -112,6 +116,50 @@ CASES = [
         "messages[0].content",
     ),
     ("too many stop strings", CMPL, cmpl(stop=["x"] * 17), None, 400, "stop"),
+    # Booleans are not coerced (OpenAI and vLLM refuse these too).
+    ("stream as a string", CMPL, cmpl(stream="yes"), None, 400, "stream"),
+    ("stream as a number in chat", CHAT, chat(stream=1), None, 400, "stream"),
+    ("echo as a string", CMPL, cmpl(echo="true"), None, 400, "echo"),
+    (
+        "include_usage as a string",
+        CHAT,
+        chat(stream=True, stream_options={"include_usage": "yes"}),
+        None,
+        400,
+        "stream_options.include_usage",
+    ),
+    (
+        "stream_options without stream",
+        CMPL,
+        cmpl(stream_options={"include_usage": True}),
+        None,
+        400,
+        "stream_options",
+    ),
+    (
+        "stream_options with stream false",
+        CHAT,
+        chat(stream=False, stream_options={"include_usage": True}),
+        None,
+        400,
+        "stream_options",
+    ),
+    (
+        "user message without content",
+        CHAT,
+        chat(messages=[{"role": "user"}]),
+        None,
+        400,
+        "messages[0].content",
+    ),
+    (
+        "system message with null content",
+        CHAT,
+        chat(messages=[{"role": "system", "content": None}, *USER]),
+        None,
+        400,
+        "messages[0].content",
+    ),
     ("unknown model", CMPL, cmpl(model="gpt-9"), None, 404, "model"),
     ("unknown model in chat", CHAT, chat(model="gpt-9"), None, 404, "model"),
     ("missing API key", CMPL, cmpl(), {}, 401, None),
@@ -170,6 +218,15 @@ def test_server_healthy_and_serving_after_the_table(http) -> None:
     assert out["usage"]["completion_tokens"] == 3
 
 
+def test_null_stream_and_an_assistant_message_without_content_are_accepted(http) -> None:
+    """What the strict checks above must not refuse (OpenAI accepts both)."""
+    out = http.post(CMPL, json=cmpl(stream=None, echo=False)).json()
+    assert out["object"] == "text_completion", out
+    messages = [*USER, {"role": "assistant"}, {"role": "user", "content": "again"}]
+    out = http.post(CHAT, json=chat(messages=messages, stream=False)).json()
+    assert out["object"] == "chat.completion", out
+
+
 def test_unknown_path_and_method(http) -> None:
     assert http.get("/v1/nothing").json()["error"]["code"] == 404
     response = http.get(CMPL)
@@ -185,7 +242,9 @@ class _StuckEngine:
     def __init__(self, tokenizer: Tokenizer) -> None:
         info = ModelInfo("llama", 260, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=8)
         self.engine = SimpleNamespace(tokenizer=tokenizer, model_info=lambda: info)
-        self.is_healthy = True
+
+    def health(self) -> LoopHealth:
+        return LoopHealth(ok=True, reason="", last_step_age_s=0.0, step_timeout_s=1.0)
 
     async def generate(self, request_id, prompt, params, *, priority=0):
         await asyncio.Event().wait()
@@ -199,31 +258,93 @@ def byte_tokenizer(tmp_path_factory):
     return load_tokenizer(directory)
 
 
+def _assert_503(response: httpx.Response, words: str) -> None:
+    assert response.status_code == 503, response.text
+    assert int(response.headers["Retry-After"]) >= 1
+    error = response.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+    assert words in error["message"], error
+
+
 def test_health_and_requests_answer_503_while_loading(byte_tokenizer) -> None:
     async def main() -> None:
         app = create_app(None, "tiny")
         async with _client(app) as client:
-            assert (await client.get("/health")).status_code == 503
-            response = await client.post(CMPL, json=cmpl())
-            assert response.status_code == 503
-            assert response.json()["error"]["type"] == "ServiceUnavailableError"
+            _assert_503(await client.get("/health"), "loading")
+            _assert_503(await client.post(CMPL, json=cmpl()), "loading")
 
     asyncio.run(main())
 
 
-def test_more_than_max_queued_requests_get_503(byte_tokenizer) -> None:
+def test_the_admission_limit_holds_and_every_way_out_gives_back(byte_tokenizer) -> None:
+    """2 running + 1 waiting: a streamed and a whole request and a 2-prompt one fill it only
+    as far as the limit; a client going away (streamed or not) gives its place back, and so
+    does a stream whose body never ran."""
+    limit = AdmissionLimit(max_running=2, max_queued=1)
+    app = create_app(_StuckEngine(byte_tokenizer), "tiny", admission=limit)  # type: ignore[arg-type]
+
     async def main() -> None:
-        stuck_engine = _StuckEngine(byte_tokenizer)
-        app = create_app(stuck_engine, "tiny", max_queued_requests=1)  # type: ignore[arg-type]
         async with _client(app) as client:
-            stuck = asyncio.create_task(client.post(CMPL, json=cmpl()))
-            await asyncio.sleep(0.2)
-            response = await client.post(CHAT, json=chat())
-            assert response.status_code == 503, response.text
-            assert "waiting" in response.json()["error"]["message"]
-            stuck.cancel()
+            whole = asyncio.create_task(client.post(CMPL, json=cmpl()))
+            streamed = asyncio.create_task(client.post(CHAT, json=chat(stream=True)))
+            await _until(lambda: limit.num_admitted == 2)
+            _assert_503(await client.post(CMPL, json=cmpl(prompt=["a", "b"])), "server busy")
+            assert limit.num_admitted == 2
+            third = asyncio.create_task(client.post(CMPL, json=cmpl(prompt=[1, 2])))
+            await _until(lambda: limit.num_admitted == 3)
+            _assert_503(await client.post(CHAT, json=chat()), "server busy")
+            for task in (whole, streamed, third):  # the clients go away
+                task.cancel()
+            await _until(lambda: limit.num_admitted == 0)
+            await _send_nothing_of_a_stream(app)
+            assert limit.num_admitted == 0
 
     asyncio.run(main())
+
+
+async def _send_nothing_of_a_stream(app) -> None:
+    """A streamed request whose client is gone before the response starts: the StreamingResponse
+    is returned, but its body is never iterated."""
+    body = json.dumps(chat(stream=True)).encode()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"app")],
+        "server": ("app", 80), "client": ("test", 1), "root_path": "",
+    }  # fmt: skip
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else await asyncio.Event().wait()
+
+    async def send(message):
+        raise OSError("the client is gone")
+
+    with pytest.raises(BaseException):  # noqa: B017 - how the app reports a dead client varies
+        await app(scope, receive, send)
+
+
+async def _until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_admission_counts_and_gives_back_exactly_once() -> None:
+    limit = AdmissionLimit(max_running=2, max_queued=1)
+    first = limit.admit(2)
+    with pytest.raises(ServerBusyError, match="2 running \\+ 1 waiting"):
+        limit.admit(2)
+    with limit.admit(1):
+        assert limit.num_admitted == 3
+    assert limit.num_admitted == 2
+    first.release()
+    first.release()  # a second release gives nothing back
+    assert limit.num_admitted == 0
+    with pytest.raises(InvalidRequestError, match="at most 3"):
+        limit.admit(4)  # could never be admitted: a 400, not a 503
+    assert limit.num_admitted == 0
 
 
 def _client(app) -> httpx.AsyncClient:

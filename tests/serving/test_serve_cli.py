@@ -44,3 +44,11 @@ def test_serve_flags() -> None:
     )
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (128, 4, 64)
     assert (args.dtype, args.kv_cache_memory, args.max_queued_requests) == ("bfloat16", 2**30, 10)
+
+
+def test_step_timeout_flag() -> None:
+    assert _parser().parse_args(["serve"]).step_timeout is None  # automatic
+    assert _parser().parse_args(["serve", "--step-timeout", "2.5"]).step_timeout == 2.5
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["serve", "--step-timeout", bad])

@@ -1,0 +1,93 @@
+"""How many requests a server takes on at once: the limit that `--max-num-seqs` and
+`--max-queued-requests` set, shared by the HTTP and gRPC front ends of one engine.
+
+Host code: plain Python, thread-safe (the gRPC server runs on a thread and event loop of its
+own). The check and the count are one step under a lock, taken in the handler before anything
+is awaited, so a burst cannot slip past the limit between checking and counting.
+
+What "queued" means (as vLLM's `num_requests_waiting`): a request is *admitted* from the moment
+its handler accepts it until its answer has been sent, it failed, or its client went away; the
+engine runs up to `max_num_seqs` of the admitted requests at once, and the others wait (queued).
+So at most `max_num_seqs + max_queued_requests` requests are admitted at any time, and when the
+engine runs `max_num_seqs` of them at most `max_queued_requests` wait. Every prompt of a
+completions request is one engine request and counts as one. (Requests with `n` > 1 and
+preempted ones take more than one running slot or give theirs up, so fewer run and more of the
+admitted wait; the total still holds.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from engine.errors import InvalidRequestError, XlaserveError
+
+RETRY_AFTER_S = 1  # what a refused client is told to wait before trying again
+
+
+class ServerBusyError(XlaserveError):
+    """As many requests as the limit allows are already admitted: retry later (HTTP 503 with
+    Retry-After, gRPC RESOURCE_EXHAUSTED)."""
+
+
+class Admission:
+    """Requests admitted together; `release()` gives them back (the first call only), and so
+    does leaving a `with` block."""
+
+    def __init__(self, give_back: Callable[[], None]):
+        self._give_back: Callable[[], None] | None = give_back
+
+    def release(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class AdmissionLimit:
+    """At most `max_running + max_queued` requests admitted at once (see the module's
+    docstring); beyond it `admit` raises ServerBusyError."""
+
+    def __init__(self, max_running: int, max_queued: int):
+        if max_running < 1 or max_queued < 0:
+            raise ValueError(f"need {max_running=} >= 1 and {max_queued=} >= 0")
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self._lock = threading.Lock()
+        self._admitted = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.max_running + self.max_queued
+
+    @property
+    def num_admitted(self) -> int:
+        return self._admitted
+
+    def admit(self, num_requests: int = 1) -> Admission:
+        """Counts `num_requests` in, or raises ServerBusyError if that would pass the limit;
+        InvalidRequestError if it always would (more prompts than the whole limit)."""
+        if num_requests > self.capacity:
+            raise InvalidRequestError(
+                f"{num_requests} prompts in one request; this server admits at most "
+                f"{self.capacity} at once",
+                param="prompt",
+            )
+        with self._lock:
+            if self._admitted + num_requests > self.capacity:
+                raise ServerBusyError(
+                    f"server busy: {self._admitted} requests are running or waiting, the limit "
+                    f"is {self.max_running} running + {self.max_queued} waiting; retry in "
+                    f"{RETRY_AFTER_S} s"
+                )
+            self._admitted += num_requests
+        return Admission(lambda: self._give_back(num_requests))
+
+    def _give_back(self, num_requests: int) -> None:
+        with self._lock:
+            self._admitted -= num_requests
