@@ -115,7 +115,9 @@ def test_xlaserve_generate_builds_its_engine_from_its_flags(tiny_dir, built, cap
 
 def test_serve_flags_become_one_engine_config(tmp_path) -> None:
     layout = tmp_path / "layout.json"
-    layout.write_text('{"mesh": {"x": 2, "y": 4}, "rules": {"mlp": "x", "heads": "y"}}')
+    layout.write_text(
+        '{"mesh": {"x": 2, "y": 4}, "rules": {"mlp": "x", "heads": "y", "kv_heads": "y"}}'
+    )
     args = cli._parser().parse_args(
         ["serve", "--model", "m", "--dtype", "bfloat16", "--quantization", "int4",
          "--kv-cache-memory", "1GiB", "--kv-cache-dtype", "int8", "--max-num-seqs", "8",
