@@ -234,8 +234,9 @@ class _Choice:
 
     def output(self, index: int) -> CompletionOutput:
         text = "".join(self.pieces)
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
         return CompletionOutput(
-            index, text, list(self.token_ids), self.finish_reason, self.stop_reason, self.logprobs
+            index, text, list(self.token_ids), self.finish_reason, self.stop_reason, logprobs
         )
 
 
