@@ -87,7 +87,8 @@ class Engine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the outputs of the requests that made progress."""
+        """Runs one step; returns a delta (engine.request.RequestOutput: only what this step
+        added) for each request that made progress."""
         ...
 
     def warm_up_step(self) -> bool:

@@ -117,7 +117,7 @@ class AsyncEngine:
         *,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yields the request's outputs as they grow; the last one has `finished` set.
+        """Yields the request's deltas (what each step added); the last has `finished` set.
 
         Raises InvalidRequestError for a request that can't be served, and EngineDeadError if
         the engine loop is gone. Closing the iterator early (a client that went away) aborts
