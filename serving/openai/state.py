@@ -38,6 +38,7 @@ class ServerState:
     def attach(self, async_engine: AsyncEngine, tokenizer: Tokenizer) -> None:
         self.async_engine = async_engine
         self.tokenizer = tokenizer
+        self.metrics.healthy()
 
     def _llm_engine(self) -> LLMEngine | None:
         return self.async_engine.engine if self.async_engine is not None else None
