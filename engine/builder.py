@@ -72,11 +72,11 @@ def _build(config: EngineConfig) -> LLMEngine | DataParallelEngine:
     engine = _engines(config, checkpoint, tokenizer)
     stats = engine.stats()
     log.info(
-        "start-up: engine ready in %.1f s, %d of %d step buckets compiled (%d XLA compilations "
+        "start-up: engine ready in %.1f s, %d of %d step variants compiled (%d XLA compilations "
         "so far; a warm compilation cache makes that 0)",
         _since(start),
         stats.num_compiled_steps,
-        stats.num_buckets,
+        stats.num_step_variants,
         compilation.count(),
     )
     return engine

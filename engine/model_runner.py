@@ -1,4 +1,5 @@
-"""Owns the device side of the engine: parameters, KV pages, and one compiled step per bucket.
+"""Owns the device side of the engine: parameters, KV pages, and the compiled step (its variants
+in `engine.compiled_step`, all compiled at warm-up).
 
 Boundary code: the only place (with the loaders) that moves arrays between host and device.
 """
@@ -17,12 +18,13 @@ from tqdm import tqdm
 
 from engine import compilation, host_memory, kv_cache
 from engine.batch import BatchBuilder, BatchShapes
+from engine.compiled_step import CompiledStep, Variant
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.errors import XlaserveError
 from engine.models.layers import Params, stack_layers
 from engine.request import MAX_LOGPROBS
 from engine.scheduler import SchedulerOutput
-from engine.step import StepInput, StepOptions, StepOutput, jitted_step, step
+from engine.step import StepInput, StepOptions, StepOutput, attention_metadata
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
 from sharding.layout import ShardingLayout
 from sharding.multihost import put_replicated
@@ -121,10 +123,16 @@ class ModelRunner:
             page_size=cache_config.page_size,
         )
         self.builder = BatchBuilder(self.shapes, cache_config.page_size, eos_token_ids)
-        self._compiled: dict[tuple[int, int, StepOptions], Any] = {}
-        self._step = jitted_step if self.plan is None else self._sharded_step()
+        self.compiled = CompiledStep(
+            self.options(), self.shapes, self.page_size, self.params, self.kv_caches
+        )
         # Called with each batch before it runs (a multi-process leader sends it to followers).
         self.before_step: Callable[[StepInput, StepOptions], None] | None = None
+        # Read by the serving side: how long warm-up took, and the process's XLA compilation
+        # count when it ended (None until every variant is compiled).
+        self.warm_up_seconds: float | None = None
+        self.compilations_at_warm_up: int | None = None
+        self._idle_compile_seconds = 0.0
 
     def _kv_spec(self, *, num_pages: int, page_size: int) -> KVCacheSpec:
         return KVCacheSpec.for_platform(
@@ -166,16 +174,6 @@ class ModelRunner:
         )
         return zeros() if stacked else [zeros() for _ in range(self.cfg.num_layers)]
 
-    def _sharded_step(self) -> Any:
-        assert self.plan is not None
-        caches = jax.tree.map(lambda x: x.sharding, self.kv_caches)
-        return jax.jit(
-            step,
-            static_argnames=("options",),
-            donate_argnames=("kv_caches",),
-            out_shardings=(self.plan.replicated, caches),
-        )
-
     # ---- compilation ---------------------------------------------------------------------
 
     def options(
@@ -185,8 +183,8 @@ class ModelRunner:
         logprobs: bool = False,
         prompt_logprobs: bool = False,
     ) -> StepOptions:
-        """The step variant a batch needs. Logprob counts are rounded up to MAX_LOGPROBS so that
-        each feature adds at most one variant per bucket (compiled on first use)."""
+        """What a batch's requests ask of the step. Logprob counts are rounded up to
+        MAX_LOGPROBS: the step always has room for the most any request may ask."""
         return StepOptions(
             self.cfg,
             self.attention_impl,
@@ -197,45 +195,42 @@ class ModelRunner:
         )
 
     def warm_up(self, *, progress: bool = True) -> float:
-        """Compiles the step for every bucket; returns the seconds it took."""
+        """Compiles every variant of the step; returns the seconds it took."""
         start = time.perf_counter()
-        pairs = self.shapes.all_pairs()
-        for t, s in tqdm(pairs, desc="compiling", unit="bucket", disable=not progress):
-            self._executable(t, s, self.options())
-        return time.perf_counter() - start
+        variants = self.compiled.variants()
+        for variant in tqdm(variants, desc="compiling", unit="variant", disable=not progress):
+            self.compiled.get(variant)
+        seconds = time.perf_counter() - start
+        self._warmed_up(seconds)
+        return seconds
 
     def warm_up_one(self) -> bool:
-        """Compiles the step of one bucket not compiled yet (smallest first); False when every
-        bucket is. A server calls this while idle, so that it answers before all are done."""
-        options = self.options()
-        for t, s in self.shapes.all_pairs():
-            if (t, s, options) not in self._compiled:
-                self._executable(t, s, options)
-                return True
-        return False
+        """Compiles one variant not compiled yet; False when every one is. A server calls this
+        while idle, so that it answers before all are done."""
+        variant = self.compiled.missing()
+        if variant is None:
+            self._warmed_up(0.0)
+            return False
+        start = time.perf_counter()
+        self.compiled.get(variant)
+        self._idle_compile_seconds += time.perf_counter() - start
+        return True
 
-    def _executable(self, t: int, s: int, options: StepOptions) -> Any:
-        key = (t, s, options)
-        if key not in self._compiled:
-            batch = self._abstract_batch(t, s, options)
-            lowered = self._step.lower(self.params, self.kv_caches, batch, options=options)
-            self._compiled[key] = lowered.compile()
-            log.debug("compiled step for %d tokens, %d sequences (%s)", t, s, options)
-        return self._compiled[key]
+    def _warmed_up(self, seconds: float) -> None:
+        if self.compilations_at_warm_up is None:
+            self.warm_up_seconds = seconds + self._idle_compile_seconds
+            self.compilations_at_warm_up = compilation.count()
 
-    def _abstract_batch(self, t: int, s: int, options: StepOptions) -> StepInput:
-        example = self.builder.build_padded(
-            SchedulerOutput(), None, t, s, penalties=options.apply_penalties
-        )
-        sharding = None if self.plan is None else self.plan.replicated
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding),
-            example,
-        )
+    @property
+    def compilations_after_warm_up(self) -> int:
+        """XLA compilations in this process since warm-up ended (0 before it ends)."""
+        if self.compilations_at_warm_up is None:
+            return 0
+        return compilation.count() - self.compilations_at_warm_up
 
     @property
     def num_compiled(self) -> int:
-        return len(self._compiled)
+        return self.compiled.num_compiled
 
     # ---- execution -------------------------------------------------------------------------
 
@@ -251,18 +246,32 @@ class ModelRunner:
         return self.run_batch(batch, options)
 
     def run_batch(self, batch: StepInput, options: StepOptions) -> StepOutput:
-        """Starts the step on a built (NumPy) batch."""
+        """Starts the step on a built (NumPy) batch: the forward, the sampling tail, and prompt
+        logprobs when `options` ask for them."""
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
-        executable = self._executable(t, s, options)
+        forward = self.compiled.get(Variant("forward", tokens=t, seqs=s))
+        sample = self.compiled.get(Variant("sample", seqs=s, penalties=options.apply_penalties))
+        wants_prompt = options.num_prompt_logprobs is not None
+        prompt = self.compiled.get(Variant("prompt_logprobs", tokens=t)) if wants_prompt else None
         if self.before_step is not None:
             self.before_step(batch, options)
-        placed = jax.device_put(batch) if self.plan is None else self._put(batch)
-        result, self.kv_caches = executable(self.params, self.kv_caches, placed)
-        return result
+        placed, want_logprobs = self._put((batch, np.bool_(options.num_top_logprobs > 0)))
+        out, self.kv_caches = forward(
+            self.params, self.kv_caches, placed.token_ids, placed.positions,
+            attention_metadata(placed), placed.logits_indices,
+        )  # fmt: skip
+        sampled = sample(out.logits, placed.sampling, want_logprobs)
+        prompt_out = None
+        if prompt is not None:
+            prompt_out = prompt(self.params, out.hidden, placed.next_token_ids)
+        return StepOutput(
+            sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs, prompt_out
+        )
 
-    def _put(self, batch: StepInput) -> StepInput:
-        assert self.plan is not None
-        return put_replicated(batch, self.plan.replicated)
+    def _put(self, tree: Any) -> Any:
+        if self.plan is None:
+            return jax.device_put(tree)
+        return put_replicated(tree, self.plan.replicated)
 
     @staticmethod
     def fetch(result: StepOutput) -> StepOutput:

@@ -43,8 +43,9 @@ class EngineStats:
     num_computed_prompt_tokens: int = 0  # prompt tokens run (not taken from the prefix cache)
     num_generation_tokens: int = 0
     num_steps: int = 0
-    num_compiled_steps: int = 0  # step executables compiled (all buckets and variants)
-    num_buckets: int = 0  # step buckets a full warm-up compiles
+    num_compiled_steps: int = 0  # compiled parts of the step (engine/compiled_step.py)
+    num_step_variants: int = 0  # parts a full warm-up compiles
+    compilations_after_warm_up: int = 0  # XLA compilations in the process since warm-up ended
     num_kv_pages: int = 0  # pages of the KV cache (of each replica)
     weight_bytes: int = 0  # the parameters' bytes (of one replica, all shards)
     kv_cache_bytes: int = 0  # the KV cache's bytes (of one replica, all shards)

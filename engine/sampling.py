@@ -251,11 +251,13 @@ def _sample_rows(
     return jax.lax.cond(jnp.all(is_greedy), lambda: greedy_ids, draw)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logits: jax.Array,  # f32[N, V]: raw model logits
     token_ids: jax.Array,  # i32[N]; -1 = padding, logprob 0
     num_top: int,
 ) -> SamplerOutput:
+    """Each row's logprob of `token_ids` and its top `num_top` alternatives, under the raw
+    model distribution."""
     # log_softmax(x) = x - logsumexp(x), read off only where needed: the whole [N, V] table of
     # logprobs is never written (a few ms a step at SmolLM2's 49,152 tokens).
     logits = logits.astype(jnp.float32)
@@ -310,7 +312,7 @@ def sample(
             jnp.zeros((num_rows, 0), jnp.float32),
         )
     with jax.named_scope("logprobs"):
-        return _gather_logprobs(logits, token_ids, num_top_logprobs)
+        return gather_logprobs(logits, token_ids, num_top_logprobs)
 
 
 def prompt_logprobs(
@@ -325,7 +327,7 @@ def prompt_logprobs(
         raise ValueError(f"{logits.shape=} must be [T, V] and {next_token_ids.shape=} [T]")
     if num_top < 0:
         raise ValueError(f"{num_top=} must be >= 0")
-    return _gather_logprobs(logits, next_token_ids.astype(jnp.int32), num_top)
+    return gather_logprobs(logits, next_token_ids.astype(jnp.int32), num_top)
 
 
 sample_jit = jax.jit(sample, static_argnames=("apply_penalties", "num_top_logprobs", "logprobs"))

@@ -1,7 +1,14 @@
 """The jitted step: forward the scheduled tokens, write their K/V, sample at each sequence's
 last token. Pure: everything it uses is an argument, and the KV pages are donated.
 
-Shapes: T padded tokens, S padded sequences, P page-table width, V vocabulary, K top logprobs.
+The step is three functions, compiled apart so that no request mix needs a compilation after
+warm-up: `forward_step` (the model, per (T, S) bucket), `sample_step` (the sampling tail, per S
+bucket, with or without penalties; logprobs are a runtime branch) and `prompt_logprobs_step`
+(over every token's hidden state, per T bucket, run only when a request asks). `step` is their
+composition, one program (what the export tests lower for TPU and CUDA).
+
+Shapes: T padded tokens, S padded sequences, P page-table width, V vocabulary, K top logprobs,
+D hidden size.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from engine import sampling
 from engine.config import ModelConfig
@@ -50,6 +58,22 @@ class StepOutput:
     prompt: sampling.SamplerOutput | None = None  # per token [T]; when prompt logprobs are asked
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What the forward hands to the sampling tail and to prompt logprobs."""
+
+    logits: Any  # f32[S, V]; at each sequence's last scheduled token
+    hidden: Any  # f[T, D]; every token's final hidden state
+
+
+def attention_metadata(batch: StepInput) -> AttentionMetadata:
+    """What paged attention needs of a batch besides q, k, v and the cache."""
+    return AttentionMetadata(
+        batch.slot_mapping, batch.kv_lens, batch.page_table, batch.cu_q_lens, batch.num_seqs
+    )
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """What is static about a step besides the bucket shapes (hashable: a jit cache key)."""
@@ -63,7 +87,12 @@ class StepOptions:
 
 
 def _forward(
-    params: Params, kv_caches: Any, batch: StepInput, options: StepOptions
+    params: Params,
+    kv_caches: Any,
+    token_ids: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    meta: AttentionMetadata,
+    options: StepOptions,
 ) -> tuple[jax.Array, Any]:
     """Runs the model over the batch's tokens, writing their K/V into the paged caches;
     returns the final hidden states f[T, D] and the caches."""
@@ -75,12 +104,9 @@ def _forward(
     )
     if plan is not None:
         attend = plan.shard_attention(attend)
-    meta = AttentionMetadata(
-        batch.slot_mapping, batch.kv_lens, batch.page_table, batch.cu_q_lens, batch.num_seqs
-    )
     if plan is not None and plan.num_stages > 1:
         return pipeline.forward(
-            registry.family(cfg), params, kv_caches, batch.token_ids, batch.positions, meta,
+            registry.family(cfg), params, kv_caches, token_ids, positions, meta,
             attend, plan=plan, cfg=cfg,
         )  # fmt: skip
 
@@ -89,41 +115,114 @@ def _forward(
     ) -> Any:
         return attend(q, k, v, kv_pages, meta, sliding_window=sliding_window)
 
-    return registry.forward(params, batch.token_ids, batch.positions, kv_caches, attention, cfg=cfg)
+    return registry.forward(params, token_ids, positions, kv_caches, attention, cfg=cfg)
+
+
+def forward_step(
+    params: Params,
+    kv_caches: Any,
+    token_ids: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    meta: AttentionMetadata,
+    logits_indices: jax.Array,  # i32[S]
+    *,
+    options: StepOptions,
+) -> tuple[ForwardOutput, Any]:
+    """The model's part of a step: the logits at each sequence's last scheduled token, every
+    token's hidden state, and the updated caches. Reads nothing of the sampling parameters, so
+    one compilation per (T, S) bucket serves every request mix (`options`' sampling fields are
+    not read: pass them off, so that the jit cache holds one entry)."""
+    hidden, kv_caches = _forward(params, kv_caches, token_ids, positions, meta, options)
+    logits = registry.compute_logits(params, hidden[logits_indices], cfg=options.cfg)
+    return ForwardOutput(logits, hidden), kv_caches
 
 
 def forward_logits(
     params: Params, kv_caches: Any, batch: StepInput, *, options: StepOptions
 ) -> tuple[jax.Array, Any]:
     """The logits f32[S, V] at each sequence's last scheduled token, and the updated caches."""
-    hidden, kv_caches = _forward(params, kv_caches, batch, options)
-    logits = registry.compute_logits(params, hidden[batch.logits_indices], cfg=options.cfg)
-    return logits, kv_caches
+    out, kv_caches = forward_step(
+        params, kv_caches, batch.token_ids, batch.positions, attention_metadata(batch),
+        batch.logits_indices, options=options,
+    )  # fmt: skip
+    return out.logits, kv_caches
+
+
+def sample_step(
+    logits: jax.Array,  # f32[S, V]
+    t: sampling.SamplingTensors,
+    want_logprobs: jax.Array,  # bool[]: some sequence of the batch asked for logprobs
+    *,
+    apply_penalties: bool,
+    num_top_logprobs: int,
+) -> sampling.SamplerOutput:
+    """The sampling tail: one token per sequence, and its logprob with the top
+    `num_top_logprobs` alternatives when `want_logprobs` (a runtime branch: zeros otherwise,
+    and the pass over the vocabulary is skipped). Penalties are static because they change the
+    shapes of `t` (the prompt and output id lists)."""
+    sampled = sampling.sample(
+        logits, t, apply_penalties=apply_penalties, num_top_logprobs=0, logprobs=False
+    )
+    if num_top_logprobs == 0:
+        return sampled
+    num_rows = logits.shape[0]
+
+    def without() -> sampling.SamplerOutput:
+        return sampling.SamplerOutput(
+            sampled.token_ids,
+            jnp.zeros(num_rows, jnp.float32),
+            jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
+            jnp.zeros((num_rows, num_top_logprobs), jnp.float32),
+        )
+
+    def with_logprobs() -> sampling.SamplerOutput:
+        return sampling.gather_logprobs(logits, sampled.token_ids, num_top_logprobs)
+
+    return jax.lax.cond(want_logprobs, with_logprobs, without)
+
+
+def prompt_logprobs_step(
+    params: Params,
+    hidden: jax.Array,  # f[T, D]
+    next_token_ids: jax.Array,  # i32[T]; the prompt token after each, or -1
+    *,
+    cfg: ModelConfig,
+    num_top: int,
+) -> sampling.SamplerOutput:
+    """Each prompt token's successor's logprob and the top `num_top` alternatives, from the
+    forward's hidden states (per token [T]; rows without a successor get logprob 0)."""
+    logits = registry.compute_logits(params, hidden, cfg=cfg)  # f32[T, V]
+    return sampling.prompt_logprobs(logits, next_token_ids, num_top=num_top)
 
 
 def step(
     params: Params, kv_caches: Any, batch: StepInput, *, options: StepOptions
 ) -> tuple[StepOutput, Any]:
-    """Returns the sampled tokens of every sequence and the updated KV caches."""
-    hidden, kv_caches = _forward(params, kv_caches, batch, options)
-    logits = registry.compute_logits(params, hidden[batch.logits_indices], cfg=options.cfg)
-    sampled = sampling.sample(
-        logits,
+    """The whole step as one function: the sampled tokens of every sequence (with logprobs and
+    prompt logprobs as `options` ask) and the updated KV caches."""
+    out, kv_caches = forward_step(
+        params, kv_caches, batch.token_ids, batch.positions, attention_metadata(batch),
+        batch.logits_indices, options=options,
+    )  # fmt: skip
+    sampled = sample_step(
+        out.logits,
         batch.sampling,
+        jnp.asarray(options.num_top_logprobs > 0),
         apply_penalties=options.apply_penalties,
         num_top_logprobs=options.num_top_logprobs,
-        logprobs=options.num_top_logprobs > 0,  # some request asked for them (MAX_LOGPROBS)
     )
     prompt = None
     if options.num_prompt_logprobs is not None:
-        all_logits = registry.compute_logits(params, hidden, cfg=options.cfg)  # f32[T, V]
-        prompt = sampling.prompt_logprobs(
-            all_logits, batch.next_token_ids, num_top=options.num_prompt_logprobs
-        )
-    out = StepOutput(
+        prompt = prompt_logprobs_step(
+            params, out.hidden, batch.next_token_ids, cfg=options.cfg,
+            num_top=options.num_prompt_logprobs,
+        )  # fmt: skip
+    result = StepOutput(
         sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs, prompt
     )
-    return out, kv_caches
+    return result, kv_caches
 
 
-jitted_step = jax.jit(step, static_argnames=("options",), donate_argnames=("kv_caches",))
+jitted_forward = jax.jit(forward_step, static_argnames=("options",), donate_argnames=("kv_caches",))
+jitted_sample = jax.jit(sample_step, static_argnames=("apply_penalties", "num_top_logprobs"))
+jitted_prompt_logprobs = jax.jit(prompt_logprobs_step, static_argnames=("cfg", "num_top"))

@@ -239,7 +239,7 @@ class AsyncEngine:
         if not operations and not self.engine.has_unfinished_requests():
             self._warming = self._timed(self.engine.warm_up_step)
             if not self._warming:
-                log.info("all %d step buckets compiled", self.engine.stats().num_buckets)
+                log.info("all %d step variants compiled", self.engine.stats().num_step_variants)
             return True
         for output in self._timed(self.engine.step):
             self._deliver(output)

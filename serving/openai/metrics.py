@@ -1,12 +1,14 @@
 """Prometheus metrics named after vLLM's (`vllm:` -> `xlaserve:`), in a registry per app.
 
 Engine state (queue lengths, KV usage, token counters) is read when scraped; latency histograms
-are observed by the HTTP layer as requests finish.
+are observed by the HTTP layer as requests finish; start-up times are recorded as the server
+reaches each stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -56,6 +58,9 @@ class _EngineCollector(Collector):
             ("num_preemptions", "Requests preempted for lack of KV pages.",
              stats.num_preemptions),
             ("compilations", "XLA compilations in this process.", compilation.count()),
+            ("compilations_after_warmup", "XLA compilations in this process after the engine "
+             "compiled every step variant (0 while it warms up); more than 0 means a request "
+             "waited for a compilation.", stats.compilations_after_warm_up),
         ]  # fmt: skip
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
@@ -90,6 +95,26 @@ class _LoopCollector(Collector):
         yield family
 
 
+class _StartupCollector(Collector):
+    """`xlaserve:startup_seconds{stage}`: seconds from the server's start (before the model
+    loads) to each start-up stage it has reached."""
+
+    def __init__(self, stages: Mapping[str, float], model_name: str):
+        self._stages = stages
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "xlaserve:startup_seconds",
+            "Seconds from the server's start to a start-up stage: healthy (the engine serves), "
+            "first_token (the first token of any request).",
+            labels=["model_name", "stage"],
+        )
+        for stage, seconds in list(self._stages.items()):
+            family.add_metric([self._model_name, stage], seconds)
+        yield family
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -100,6 +125,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         self.registry.register(_LoopCollector(loop_health, model_name))
+        self._started = time.monotonic()
+        self._startup: dict[str, float] = {}
+        self.registry.register(_StartupCollector(self._startup, model_name))
         self._model = model_name
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -123,7 +151,12 @@ class ServerMetrics:
             "request_queue_time_seconds", "Time a request waited to be scheduled.", _LATENCY_BUCKETS
         )
 
+    def healthy(self) -> None:
+        """The server serves from now on (its engine is attached)."""
+        self._startup.setdefault("healthy", time.monotonic() - self._started)
+
     def first_token(self, seconds: float) -> None:
+        self._startup.setdefault("first_token", time.monotonic() - self._started)
         self.ttft.labels(self._model).observe(seconds)
 
     def finished(self, output: RequestOutput, started: float, first: float, now: float) -> None:

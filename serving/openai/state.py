@@ -48,6 +48,7 @@ class ServerState:
     def attach(self, async_engine: AsyncEngine) -> None:
         self.async_engine = async_engine
         self._model_info = async_engine.engine.model_info()
+        self.metrics.healthy()
 
     def _engine(self) -> Engine | None:
         return self.async_engine.engine if self.async_engine is not None else None

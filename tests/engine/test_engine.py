@@ -4,6 +4,7 @@ seeded sampling and the compilation count."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import jax
@@ -194,6 +195,41 @@ def test_no_compilation_after_warm_up(engine: LLMEngine) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert compilation.count() == before
+
+
+def featured(penalties: bool, logprobs: bool, prompt_logprobs: bool) -> SamplingParams:
+    """A greedy request that asks for the given features."""
+    return SamplingParams(
+        temperature=0,
+        max_tokens=5,
+        ignore_eos=True,
+        repetition_penalty=1.5 if penalties else 1.0,
+        logprobs=2 if logprobs else None,
+        prompt_logprobs=3 if prompt_logprobs else None,
+    )
+
+
+def test_no_compilation_for_any_mix_of_features(tiny, engine: LLMEngine) -> None:
+    """Penalties, logprobs and prompt logprobs, each of the 8 combinations in a batch with a
+    greedy and a sampled plain request, compile nothing after warm-up; the plain greedy
+    request still gives the oracle's tokens and every feature its output."""
+    rng = random.Random(8)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True)
+    before = compilation.count()
+    plain_outputs = []
+    for features in itertools.product([False, True], repeat=3):
+        prompts = [random_prompt(rng, rng.randint(3, 20)) for _ in range(3)]
+        plain, special, _ = generate(engine, prompts, [greedy(4), featured(*features), sampled])
+        plain_outputs.append((prompts[0], plain.outputs[0].token_ids))
+        logprobs = special.outputs[0].logprobs
+        assert (logprobs is not None and len(logprobs) == 5) == features[1]
+        prompt_logprobs = special.prompt_logprobs
+        assert (prompt_logprobs is not None and len(prompt_logprobs) == len(prompts[1])) == (
+            features[2]
+        )
+    assert compilation.count() == before
+    for prompt, tokens in plain_outputs:  # the oracle compiles: checked after the count
+        assert tokens == oracle(tiny, prompt, 4)
 
 
 def test_bfloat16_model_on_cpu_keeps_a_float32_cache(tiny) -> None:

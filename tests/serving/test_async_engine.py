@@ -124,7 +124,7 @@ def test_background_warm_up_serves_at_once_then_compiles_every_bucket(tiny) -> N
         ),
         warm_up=False,
     )
-    all_buckets = cold.stats().num_buckets
+    all_buckets = cold.stats().num_step_variants
     front = AsyncEngine(cold)
     try:
         oracle = list(naive.generate(params, cfg, [1, 2, 3], naive.NaiveSampling(max_tokens=8)))

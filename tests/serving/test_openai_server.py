@@ -179,7 +179,8 @@ def test_tokenize_detokenize_round_trip(openai_server, tokenizer) -> None:
     assert text == {"prompt": "héllo"}
 
 
-def test_metrics_are_exposed(openai_server) -> None:
+def test_metrics_are_exposed(openai_server, client) -> None:
+    client.completions.create(model="tiny", prompt="Hi", **GREEDY)  # a first token, at least
     body = httpx.get(f"{openai_server.url}/metrics").text
     for name in (
         "xlaserve:num_requests_running",
@@ -191,6 +192,9 @@ def test_metrics_are_exposed(openai_server) -> None:
         "xlaserve:generation_tokens_total",
         "xlaserve:num_preemptions_total",
         "xlaserve:compilations_total",
+        "xlaserve:compilations_after_warmup_total",
+        'xlaserve:startup_seconds{model_name="tiny",stage="healthy"}',
+        'xlaserve:startup_seconds{model_name="tiny",stage="first_token"}',
         "xlaserve:time_to_first_token_seconds_bucket",
         "xlaserve:time_per_output_token_seconds_bucket",
         "xlaserve:e2e_request_latency_seconds_bucket",
