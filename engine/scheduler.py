@@ -5,6 +5,9 @@ prompt still being prefilled takes what the budget leaves: chunked prefill, so l
 never stall decodes), then waiting requests are admitted by priority and arrival. When the KV
 cache runs out of pages, the running request with the lowest priority (then the newest) is
 preempted: its pages are freed and it waits to be recomputed later, helped by the prefix cache.
+A waiting request that finds no free pages or no free seat preempts running requests of lower
+priority the same way (vLLM's priority scheduling), so a high-priority arrival never waits for
+low-priority work to finish.
 
 Host code: plain Python, never imports jax.
 """
@@ -127,18 +130,20 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self._waiting and budget > 0:
             request = self._waiting[0][3]
+            if request in out.preempted:  # preempted in this step: it waits for the next
+                return
             cached_pages: list[int] = []
             num_cached = 0
             if request.sampling_params.prompt_logprobs is None:  # those need every position
                 cached_pages, num_cached = self.kv_cache.find_cached_prefix(request.all_token_ids)
             num_new = min(request.num_tokens - num_cached, budget)
-            if (
-                self.kv_cache.allocate(request.request_id, num_cached + num_new, cached_pages)
-                is None
-            ):
-                return
+            while not self._admits(request, num_cached + num_new, cached_pages):
+                victim = self._lower_priority_victim(request)
+                if victim is None:
+                    return
+                budget += self._preempt_scheduled(victim, out)
             heapq.heappop(self._waiting)
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
@@ -148,6 +153,29 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
+
+    def _admits(self, request: Request, num_tokens: int, cached_pages: list[int]) -> bool:
+        """Gives the request a seat and pages for `num_tokens` tokens, if both are free."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        return self.kv_cache.allocate(request.request_id, num_tokens, cached_pages) is not None
+
+    def _lower_priority_victim(self, request: Request) -> Request | None:
+        """The running request that `request` may preempt: the lowest-priority one (then the
+        newest), if its priority is lower than the request's."""
+        victim = max(self.running, key=_serving_order, default=None)
+        return victim if victim is not None and victim.priority > request.priority else None
+
+    def _preempt_scheduled(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempts a running request, taking it out of this step if it was in it; returns the
+        tokens that gives back to the step's budget."""
+        self.running.remove(victim)
+        self._preempt(victim)
+        out.preempted.append(victim)
+        scheduled = [s for s in out.scheduled if s.request is victim]
+        for s in scheduled:
+            out.scheduled.remove(s)
+        return sum(s.num_new_tokens for s in scheduled)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)

@@ -148,6 +148,43 @@ def test_preemption_under_a_small_cache_keeps_outputs(tiny, engine: LLMEngine) -
         engine.kv_cache, engine.scheduler = saved
 
 
+def test_a_high_priority_arrival_finishes_first_in_a_full_cache(tiny, engine: LLMEngine) -> None:
+    """Two priority-1 requests of 8 + 24 tokens fit 16 pages of 4 at their full length (so they
+    never preempt each other), but hold too many for a priority-0 prompt of 32 tokens once they
+    are half done. That request preempts the newer of them at once, rather than waiting for one
+    to finish, and finishes first; every request, preempted or not, still gets its unconstrained
+    greedy output."""
+    saved = engine.kv_cache, engine.scheduler
+    engine.kv_cache = KVCacheManager(16, PAGE)
+    engine.scheduler = Scheduler(engine.scheduler_config, engine.kv_cache)
+    try:
+        rng = random.Random(9)
+        low = {f"low{i}": random_prompt(rng, 8) for i in range(2)}
+        for request_id, prompt in low.items():
+            engine.add_request(request_id, prompt, greedy(24), priority=1)
+        while engine.kv_cache.num_free_pages >= 32 // PAGE:  # until the high one cannot fit
+            assert not any(output.finished for output in engine.step())
+        high = random_prompt(rng, 32)
+        engine.add_request("high", high, greedy(4), priority=0)
+        finished_at: dict[str, int] = {}
+        outputs: dict[str, list[int]] = {}
+        for step in itertools.count():
+            if not engine.has_unfinished_requests():
+                break
+            for output in engine.step():
+                if output.finished:
+                    finished_at[output.request_id] = step
+                    outputs[output.request_id] = output.outputs[0].token_ids
+        assert finished_at["high"] < min(finished_at[request_id] for request_id in low)
+        assert engine.scheduler.num_preemptions > 0
+        assert outputs["high"] == oracle(tiny, high, 4)
+        for request_id, prompt in low.items():
+            assert outputs[request_id] == oracle(tiny, prompt, 24)
+        assert engine.kv_cache.num_free_pages == 16
+    finally:
+        engine.kv_cache, engine.scheduler = saved
+
+
 def test_seeded_sampling_is_independent_of_the_batch(engine: LLMEngine) -> None:
     rng = random.Random(4)
     prompt = random_prompt(rng, 9)

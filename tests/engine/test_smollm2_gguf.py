@@ -3,12 +3,18 @@ transformers loading the same file (it dequantizes to float32)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from engine import naive
+from engine import compilation, naive
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine, run_to_completion
+from engine.request import SamplingParams
+from engine.tokenizer import load_tokenizer
 from engine.weights import load_params, resolve_model
 
 PROMPTS = [
@@ -76,3 +82,52 @@ def test_greedy_continuation_identical(ours, hf, prompt: str) -> None:
     expected = hf_greedy(model, ids, 32)
     got = list(naive.generate(params, cfg, ids, naive.NaiveSampling(max_tokens=32)))
     assert got == expected
+
+
+@pytest.fixture(scope="module")
+def smollm2_engine(files, ours) -> LLMEngine:
+    """An engine over the real model with small batch limits (a short warm-up: 23 variants)."""
+    cfg, params = ours
+    return LLMEngine(
+        cfg,
+        params,
+        load_tokenizer(files.path),
+        cache_config=CacheConfig(num_pages=64),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128
+        ),
+    )
+
+
+def test_no_compilation_after_warm_up_for_any_mix_of_features(smollm2_engine, hf) -> None:
+    """Penalties, logprobs and prompt logprobs: each of the 8 combinations, in a batch with a
+    plain greedy and a plain sampled request, compiles nothing after warm-up; the plain greedy
+    request still gives transformers' tokens."""
+    model, tokenizer = hf
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.7, top_k=40, seed=5, max_tokens=8, ignore_eos=True)
+    before = compilation.count()
+    greedy_outputs = []
+    for n, (penalties, logprobs, prompt_logprobs) in enumerate(
+        itertools.product([False, True], repeat=3)
+    ):
+        featured = SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            ignore_eos=True,
+            frequency_penalty=0.5 if penalties else 0.0,
+            logprobs=5 if logprobs else None,
+            prompt_logprobs=2 if prompt_logprobs else None,
+        )
+        ids = [f"mix{n}-{i}" for i in range(3)]
+        order = [prompts[n % 3], prompts[(n + 1) % 3], prompts[(n + 2) % 3]]
+        for request_id, prompt, params in zip(ids, order, [plain, featured, sampled], strict=True):
+            smollm2_engine.add_request(request_id, prompt, params)
+        first, second, _ = run_to_completion(smollm2_engine, ids)
+        greedy_outputs.append((order[0], first.outputs[0].token_ids))
+        assert (second.outputs[0].logprobs is not None) == logprobs
+        assert (second.prompt_logprobs is not None) == prompt_logprobs
+    assert compilation.count() == before
+    for prompt, tokens in greedy_outputs:
+        assert tokens == hf_greedy(model, prompt, 8)
