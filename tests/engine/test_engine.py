@@ -166,15 +166,19 @@ def test_a_high_priority_arrival_finishes_first_in_a_full_cache(tiny, engine: LL
             assert not any(output.finished for output in engine.step())
         high = random_prompt(rng, 32)
         engine.add_request("high", high, greedy(4), priority=0)
+        # The scheduler's requests hold each sequence's whole output, whatever step() hands out.
+        requests = {request_id: engine.scheduler.get(request_id) for request_id in [*low, "high"]}
         finished_at: dict[str, int] = {}
-        outputs: dict[str, list[int]] = {}
         for step in itertools.count():
             if not engine.has_unfinished_requests():
                 break
             for output in engine.step():
                 if output.finished:
                     finished_at[output.request_id] = step
-                    outputs[output.request_id] = output.outputs[0].token_ids
+        outputs = {}
+        for request_id, request in requests.items():
+            assert request is not None
+            outputs[request_id] = request.output_token_ids
         assert finished_at["high"] < min(finished_at[request_id] for request_id in low)
         assert engine.scheduler.num_preemptions > 0
         assert outputs["high"] == oracle(tiny, high, 4)
