@@ -86,7 +86,8 @@ class DataParallelEngine:
             num_steps=sum(s.num_steps for s in each),
             num_compiled_steps=first.num_compiled_steps,  # every replica compiles the same
             num_step_variants=first.num_step_variants,
-            compilations_after_warm_up=first.compilations_after_warm_up,  # one process's count
+            # One process-wide count: since the last replica finished warming up.
+            compilations_after_warm_up=min(s.compilations_after_warm_up for s in each),
             num_kv_pages=first.num_kv_pages,
             weight_bytes=first.weight_bytes,
             kv_cache_bytes=first.kv_cache_bytes,

@@ -138,7 +138,7 @@ class LLMEngine:
         self._on_close: list[Callable[[], None]] = []
         if warm_up:
             seconds = self.runner.warm_up()
-            log.info("compiled %d step buckets in %.1f s", self.runner.num_compiled, seconds)
+            log.info("compiled %d step variants in %.1f s", self.runner.num_compiled, seconds)
 
     # ---- what a server may ask (engine.protocol.Engine) ------------------------------------------
 

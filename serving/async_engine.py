@@ -58,7 +58,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    """While no request is waiting, the engine thread compiles the engine's step buckets not
+    """While no request is waiting, the engine thread compiles the engine's step variants not
     compiled yet, one at a time (`Engine.warm_up_step`; a bucket a request needs first is
     compiled on the spot), so that a server built with background warm-up answers as soon as
     its weights are loaded. `step_timeout`: seconds a step may take while there is work before

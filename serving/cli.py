@@ -165,8 +165,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "--warm-up",
         choices=("background", "eager"),
         default="background",
-        help="background: answer once the weights are loaded and compile the step buckets while "
-        "idle (a bucket a request needs first is compiled on the spot); eager: compile them all "
+        help="background: answer once the weights are loaded and compile the step variants while "
+        "idle (a variant a request needs first is compiled on the spot); eager: compile them all "
         "before answering (multi-process and data-parallel engines always do)",
     )
     _add_parallel_args(serve)
