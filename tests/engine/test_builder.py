@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 import engine.builder
+from engine import naive
 from engine.config import (
     CacheConfig,
     CompilationConfig,
@@ -97,7 +98,7 @@ def test_a_built_engine_answers_like_one_assembled_by_hand(tiny_dir, tiny, built
     assert llm.engine.health().ok
 
 
-def test_xlaserve_generate_builds_its_engine_from_its_flags(tiny_dir, built, capsys) -> None:
+def test_xlaserve_generate_builds_its_engine_from_its_flags(tiny_dir, tiny, built, capsys) -> None:
     status = cli.main(
         ["generate", "--model", str(tiny_dir), "--prompt", "Hello", "--max-tokens", "3",
          "--max-model-len", "64", "--compilation-cache-dir", ""]
@@ -110,7 +111,16 @@ def test_xlaserve_generate_builds_its_engine_from_its_flags(tiny_dir, built, cap
         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256, max_model_len=64),
         compilation=CompilationConfig(warm_up="lazy"),
     )
-    assert capsys.readouterr().out.strip()
+    # The oracle: full-recompute greedy decoding of the prompt, stopping at EOS as the CLI does.
+    cfg, params, tokenizer = tiny
+    eos = tokenizer.eos_token_ids
+    ids = list(
+        naive.generate(
+            params, cfg, tokenizer.encode("Hello"), naive.NaiveSampling(max_tokens=3), stop_ids=eos
+        )
+    )
+    expected = tokenizer.decode([t for t in ids if t not in eos])
+    assert capsys.readouterr().out == expected + "\n"
 
 
 def test_serve_flags_become_one_engine_config(tmp_path) -> None:
