@@ -27,6 +27,10 @@ WHEELS = CACHE / "wheels"
 # everything native except AMX.
 _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMACPP_CMAKE_ARGS = f'-DGGML_NATIVE=ON -DCMAKE_C_FLAGS="{_NO_AMX}" -DCMAKE_CXX_FLAGS="{_NO_AMX}"'
+# llama.cpp's own server, built from the llama.cpp vendored in the same llama-cpp-python release,
+# so both baselines run one llama.cpp commit.
+LLAMACPP_PYTHON_VERSION = "0.3.36"
+LLAMA_SERVER_DIR = CACHE / f"llama-server-{LLAMACPP_PYTHON_VERSION}"
 
 
 def llamacpp_python() -> Path:
@@ -55,6 +59,57 @@ def install_llamacpp() -> None:
         subprocess.run(["nice", "-n", "10", *map(str, build)], env=env, check=True)
     wheel = sorted(WHEELS.glob("llama_cpp_python-*.whl"))[-1]
     subprocess.run([*pip, "install", f"{wheel}[server]"], check=True)
+
+
+def llama_server() -> Path:
+    return LLAMA_SERVER_DIR / "build" / "bin" / "llama-server"
+
+
+def install_llama_server() -> None:
+    """Builds llama.cpp's `llama-server` once (about 15 minutes on 2 cores, niced) from the
+    llama.cpp vendored in llama-cpp-python's source package, into ~/.cache/xlaserve."""
+    if llama_server().exists():
+        return
+    sdist_dir = LLAMA_SERVER_DIR / "sdist"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    if not list(sdist_dir.glob("llama_cpp_python-*.tar.gz")):
+        pin = f"llama-cpp-python=={LLAMACPP_PYTHON_VERSION}"
+        download = ["download", "--no-deps", "--no-binary", ":all:", "-d", str(sdist_dir), pin]
+        subprocess.run([sys.executable, "-m", "pip", *download], check=True)
+    sdist = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))[-1]
+    subprocess.run(["tar", "-xzf", sdist, "-C", sdist_dir], check=True)
+    source = next(sdist_dir.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    build = LLAMA_SERVER_DIR / "build"
+    configure = [
+        "cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}",
+        "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    ]  # fmt: skip
+    subprocess.run(configure, check=True)
+    jobs = str(len(os.sched_getaffinity(0)))
+    make = ["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs]
+    subprocess.run(["nice", "-n", "10", *make], check=True)
+
+
+def llama_server_command(
+    model_file: Path, port: int, threads: int, slots: int, slot_len: int
+) -> list[str]:
+    """llama-server with `slots` parallel slots of `slot_len` tokens each, batching continuously
+    (what llama.cpp's users run to serve many clients). Flash attention stays at its CPU
+    default (shared/BASELINES.md: on, it slows CPU decode at depth)."""
+    return [
+        str(llama_server()), "-m", str(model_file), "-t", str(threads), "-tb", str(threads),
+        "-np", str(slots), "-c", str(slots * slot_len), "--cont-batching",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+
+
+def llama_server_version() -> str:
+    out = subprocess.run([llama_server(), "--version"], capture_output=True, text=True)
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    version = next((line for line in lines if line.startswith("version")), "unknown")
+    return f"llama-server {version} (from llama-cpp-python {LLAMACPP_PYTHON_VERSION})"
 
 
 def llamacpp_version() -> str:

@@ -1,13 +1,16 @@
-"""xlaserve against llama.cpp's server and Hugging Face transformers on the same GGUF, machine
+"""xlaserve against llama.cpp's servers and Hugging Face transformers on the same GGUF, machine
 and prompts, one system after the other in one command, written as one table.
 
     python bench/compare.py --model smollm2-135m --concurrency 1 16 64 --num-prompts 4 24 64 \\
         --input-len 512 --output-len 128 --install-baselines --write-results
 
-xlaserve and llama.cpp are HTTP servers measured by bench/serve.py (streaming, random prompts,
-EOS ignored, greedy). transformers has no server: it runs offline, in static batches of the
-concurrency, timed step by step (bench/baselines.py). Each server's start-up (load and warm-up,
-for xlaserve compiling a step per bucket unless the compilation cache has them) is timed apart.
+llama.cpp runs twice: `llama-server`, llama.cpp's own server batching continuously over one
+parallel slot per client (the strongest form, what its users deploy), and llama-cpp-python's
+server, which serves one request at a time. xlaserve and both llama.cpp servers are HTTP servers
+measured by bench/serve.py (streaming, random prompts, EOS ignored, greedy). transformers has
+no server: it runs offline, in static batches of the concurrency, timed step by step
+(bench/baselines.py). Each server's start-up (load and warm-up, for xlaserve compiling a step per
+bucket unless the compilation cache has them) is timed apart.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from bench import baselines, common, datasets, serve
 from bench.datasets import BenchRequest
 
 TITLE = "Online serving: xlaserve vs llama.cpp vs transformers (bench/compare.py)"
-SYSTEMS = ("xlaserve", "llamacpp", "transformers")
+SYSTEMS = ("xlaserve", "llama-server", "llamacpp", "transformers")
+# llama-server's slots each hold one request's prompt and output
+LLAMA_SERVER_SLOT_LEN = 1024
 
 
 @dataclass
@@ -79,7 +84,7 @@ def run_server(
     )
     log = Path(args.result_dir) / f"{system}-server.log"
     rows = []
-    health = target.base_url + ("/health" if system == "xlaserve" else "/v1/models")
+    health = target.base_url + ("/v1/models" if system == "llamacpp" else "/health")
     with (
         _running() if not command else
         baselines.server_process(command, health, log, timeout=3600)
@@ -136,18 +141,23 @@ def _save(args: argparse.Namespace, system: str, concurrency: int, result: dict[
 def _ratio_lines(rows: list[Row]) -> list[str]:
     by = {(r.system.split()[0], r.concurrency): r.result for r in rows}
     lines = []
-    checks: list[tuple[str, int, Callable[[dict[str, Any]], float], str, float, bool]] = [
-        ("output tokens/s", 64, lambda r: r["output_throughput"], "at least", 2.0, True),
-        ("median TTFT", 1, lambda r: r["median_ttft_ms"], "at most", 1.0, False),
-        ("single-stream decode (1 / median TPOT)", 1, lambda r: 1000 / r["median_tpot_ms"],
-         "at least", 0.7, True),
+    checks: list[tuple[str, str, int, Callable[[dict[str, Any]], float], str, float, bool]] = [
+        ("llama-server", "output tokens/s", 64, lambda r: r["output_throughput"], "at least",
+         2.5, True),
+        ("llama-server", "single-stream decode (1 / median TPOT)", 1,
+         lambda r: 1000 / r["median_tpot_ms"], "at least", 1.0, True),
+        ("llamacpp", "output tokens/s", 64, lambda r: r["output_throughput"], "at least", 2.0,
+         True),
+        ("llamacpp", "median TTFT", 1, lambda r: r["median_ttft_ms"], "at most", 1.0, False),
+        ("llamacpp", "single-stream decode (1 / median TPOT)", 1,
+         lambda r: 1000 / r["median_tpot_ms"], "at least", 0.7, True),
     ]  # fmt: skip
-    for name, c, value, bound, target, higher in checks:
-        if ("xlaserve", c) in by and ("llamacpp", c) in by:
-            ratio = value(by["xlaserve", c]) / value(by["llamacpp", c])
+    for peer, name, c, value, bound, target, higher in checks:
+        if ("xlaserve", c) in by and (peer, c) in by:
+            ratio = value(by["xlaserve", c]) / value(by[peer, c])
             met = ratio >= target if higher else ratio <= target
             lines.append(
-                f"- {name} at concurrency {c}, xlaserve / llama.cpp: {ratio:.2f}x "
+                f"- {name} at concurrency {c}, xlaserve / {peer}: {ratio:.2f}x "
                 f"(target {bound} {target}x: {'met' if met else 'NOT met'})"
             )
     return lines
@@ -178,8 +188,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--xlaserve-args", default="--max-num-seqs 64 --max-num-batched-tokens 512 "
                    "--max-model-len 1024", help="extra `xlaserve serve` flags")  # fmt: skip
     p.add_argument("--install-baselines", action="store_true",
-                   help="build llama-cpp-python[server] if missing (cached)")  # fmt: skip
-    p.add_argument("--port", type=int, default=8731, help="xlaserve's; llama.cpp's is +1")
+                   help="build llama-server and llama-cpp-python[server] if missing "
+                   "(cached)")  # fmt: skip
+    p.add_argument("--port", type=int, default=8731,
+                   help="xlaserve's; llama-cpp-python's is +1, llama-server's +2")  # fmt: skip
     p.add_argument("--xlaserve-url", default=None,
                    help="measure this running xlaserve (started with --xlaserve-args)")  # fmt: skip
     p.add_argument("--result-dir", default=str(baselines.CACHE / "bench-results"))
@@ -224,6 +236,23 @@ def main(argv: Sequence[str] | None = None) -> None:
             else f"already running at {args.xlaserve_url} (started apart with --xlaserve-args)"
         )
         notes.append(f"- xlaserve: {started}; compilations during the timed runs: {compiles:.0f}")
+    if "llama-server" in args.systems:
+        if args.install_baselines:
+            baselines.install_llama_server()
+        if not baselines.llama_server().exists():
+            raise SystemExit("llama-server baseline missing: rerun with --install-baselines")
+        versions["llama-server"] = baselines.llama_server_version()
+        slots = max(args.concurrency)
+        command = baselines.llama_server_command(
+            gguf, args.port + 2, args.threads, slots, LLAMA_SERVER_SLOT_LEN
+        )
+        target = serve.Target(f"http://127.0.0.1:{args.port + 2}", "bench")
+        got, startup = run_server("llama-server", command, target, workloads, args, tokenizer)
+        rows += got
+        notes.append(
+            f"- llama-server: {slots} parallel slots of {LLAMA_SERVER_SLOT_LEN} tokens, "
+            f"continuous batching, {args.threads} threads; start-up (load) {startup:.0f} s"
+        )
     if "llamacpp" in args.systems:
         if args.install_baselines:
             baselines.install_llamacpp()
