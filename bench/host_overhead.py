@@ -1,0 +1,181 @@
+"""The host's own cost per engine step, phase by phase, with a device step that costs almost
+nothing (a one-layer model of hidden size 64), at 16 to 1,024 running decode sequences.
+
+    python bench/host_overhead.py --write-results
+
+On a TPU or an H200 a decode step of a small model takes a few milliseconds; whatever the host
+spends around it (scheduling, building the batch, moving it to the device, reading the sampled
+tokens back, stop checks and detokenization) is then what limits throughput. The phases:
+
+- schedule: `Scheduler.schedule` (admission, pages, preemption);
+- build: the step's NumPy inputs (`BatchBuilder.build`);
+- launch: moving them to the device and dispatching the compiled parts (`run_batch`);
+- bookkeeping: what runs while the device computes (`Scheduler.update_after_step`);
+- wait: `fetch`, blocked until the sampled tokens are on the host (device time not hidden);
+- postprocess: tokens appended, stop checks, detokenized deltas (`LLMEngine._postprocess`).
+
+The host's critical path per step is every phase but `wait`. The phases are timed by wrapping
+the engine's own methods on this one instance; nothing in the engine changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common
+from engine.builder import build_engine
+from engine.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+
+TITLE = "Host overhead per step (bench/host_overhead.py)"
+PHASES = ("schedule", "build", "launch", "bookkeeping", "wait", "postprocess")
+HOST_PHASES = tuple(p for p in PHASES if p != "wait")
+PROMPT_LEN = 8
+MODEL_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
+
+
+class PhaseClock:
+    """Seconds spent in each wrapped method, summed until `reset`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner: Any, method: str, phase: str) -> None:
+        inner: Callable[..., Any] = getattr(owner, method)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+
+        setattr(owner, method, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def instrument(engine: LLMEngine) -> PhaseClock:
+    clock = PhaseClock()
+    clock.wrap(engine.scheduler, "schedule", "schedule")
+    clock.wrap(engine.runner.builder, "build", "build")
+    clock.wrap(engine.runner, "run_batch", "launch")
+    clock.wrap(engine.scheduler, "update_after_step", "bookkeeping")
+    clock.wrap(engine.runner, "fetch", "wait")
+    clock.wrap(engine, "_postprocess", "postprocess")
+    return clock
+
+
+def write_checkpoint() -> Path:
+    """A random one-layer Llama with the tests' byte-level tokenizer."""
+    from tests.engine.tiny_model import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(Path(tempfile.mkdtemp()), **MODEL_DIMS)
+
+
+def measure(
+    engine: LLMEngine, clock: PhaseClock, running: int, steps: int, warm_steps: int
+) -> dict[str, float]:
+    """Milliseconds per decode step in each phase, and the whole step, with `running`
+    sequences decoding. Prefill and the first `warm_steps` decode steps (which may compile a
+    bucket) are not timed."""
+    params = SamplingParams(temperature=0, max_tokens=steps + warm_steps + 8, ignore_eos=True)
+    vocab = engine.model_info().vocab_size
+    for i in range(running):
+        prompt = [(i * 7 + j * 13) % (vocab - 8) + 4 for j in range(PROMPT_LEN)]
+        engine.add_request(f"r{running}-{i}", prompt, params)
+    while engine.stats().num_computed_prompt_tokens < running * PROMPT_LEN:
+        engine.step()
+    for _ in range(warm_steps):
+        engine.step()
+    clock.reset()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - start
+    per_step = {phase: clock.seconds[phase] * 1e3 / steps for phase in PHASES}
+    per_step["host"] = sum(per_step[p] for p in HOST_PHASES)
+    per_step["step"] = total * 1e3 / steps
+    for i in range(running):
+        engine.abort_request(f"r{running}-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return per_step
+
+
+def table(rows: dict[int, dict[str, float]]) -> list[str]:
+    header = "| running seqs | " + " | ".join(PHASES) + " | host critical path | whole step |"
+    lines = [header, "|" + "---|" * (len(PHASES) + 3)]
+    for running, ms in rows.items():
+        cells = " | ".join(f"{ms[p]:.2f}" for p in PHASES)
+        lines.append(f"| {running} | {cells} | {ms['host']:.2f} | {ms['step']:.2f} |")
+    return lines
+
+
+def _target_line(rows: dict[int, dict[str, float]]) -> list[str]:
+    if 256 not in rows:
+        return []
+    host = rows[256]["host"]
+    met = "met" if host <= 2.0 else "NOT met"
+    return [f"- host critical path at 256 running sequences: {host:.2f} ms per step (target at "
+            f"most 2 ms: {met})"]  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--running", type=int, nargs="+", default=[16, 64, 256, 1024])
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps per size")
+    p.add_argument("--warm-steps", type=int, default=3)
+    p.add_argument("--write-results", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    most = max(args.running)
+    engine = build_engine(
+        EngineConfig(
+            str(write_checkpoint()),
+            cache=CacheConfig(num_pages=most * 4 + 64),
+            scheduler=SchedulerConfig(
+                max_num_seqs=most, max_num_batched_tokens=max(most, 256), max_model_len=256
+            ),
+            compilation=CompilationConfig(warm_up="lazy"),
+        )
+    )
+    assert isinstance(engine, LLMEngine)
+    clock = instrument(engine)
+    rows = {n: measure(engine, clock, n, args.steps, args.warm_steps) for n in args.running}
+    command = "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = "\n".join(
+        [
+            *common.preamble(command, {"jax": version("jax")}),
+            f"- model: random Llama, {MODEL_DIMS}, float32; {PROMPT_LEN}-token prompts, "
+            f"greedy, EOS ignored; {args.steps} timed decode steps per size; milliseconds per "
+            "step, synchronous scheduling (the engine's only mode today)",
+            "",
+            *table(rows),
+            "",
+            *_target_line(rows),
+        ]
+    )
+    print(text)
+    if args.write_results:
+        common.write_section(TITLE, text)
+
+
+if __name__ == "__main__":
+    main()
