@@ -16,11 +16,18 @@ tokens back, stop checks and detokenization) is then what limits throughput. The
 
 The host's critical path per step is every phase but `wait`. The phases are timed by wrapping
 the engine's own methods on this one instance; nothing in the engine changes.
+
+Then the same model behind `xlaserve serve` with as many streaming clients as sequences: the
+engine's steps per second there (generated tokens per second over the running count, from
+/metrics, once every client streams) against its offline rate. The clients run in this process
+on the same two cores, as a load generator beside a server does.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import re
 import sys
 import tempfile
 import time
@@ -33,7 +40,9 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import common
+import httpx
+
+from bench import baselines, common
 from engine.builder import build_engine
 from engine.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
@@ -116,12 +125,85 @@ def measure(
     return per_step
 
 
+def served_steps_per_second(
+    model_dir: Path, running: int, port: int, window: float, log_dir: Path
+) -> float:
+    """Engine steps per second behind the HTTP server while `running` clients stream."""
+    command = [
+        sys.executable, "-m", "serving.cli", "serve", "--model", str(model_dir),
+        "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", str(running),
+        "--max-num-batched-tokens", str(max(running, 32)), "--max-model-len", "512",
+        "--warm-up", "eager", "--max-queued-requests", str(running),
+        "--compilation-cache-dir", str(baselines.CACHE / "xla-host-overhead"),
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    log = log_dir / f"host-overhead-serve-{running}.log"
+    with baselines.server_process(command, url + "/health", log, timeout=1800):
+        return asyncio.run(_stream_and_sample(url, running, window))
+
+
+async def _stream_and_sample(url: str, running: int, window: float) -> float:
+    limits = httpx.Limits(max_connections=running + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        streams = [asyncio.create_task(_stream(client, i)) for i in range(running)]
+        try:
+            while (await _metric(client, "num_requests_running")) < running:
+                failed = [t for t in streams if t.done()]
+                if failed:
+                    failed[0].result()  # raises what ended it early
+                    raise RuntimeError("a stream ended before every client was running")
+                await asyncio.sleep(0.2)
+            while True:  # a window in which nothing compiled (a bucket's first use may)
+                compiled = await _metric(client, "compilations_total")
+                first, start = await _metric(client, "generation_tokens_total"), time.perf_counter()
+                await asyncio.sleep(window)
+                last, end = await _metric(client, "generation_tokens_total"), time.perf_counter()
+                if await _metric(client, "compilations_total") == compiled:
+                    break
+        finally:
+            for task in streams:
+                task.cancel()  # disconnects: the server aborts them
+            await asyncio.gather(*streams, return_exceptions=True)
+    return (last - first) / running / (end - start)
+
+
+async def _stream(client: httpx.AsyncClient, i: int) -> None:
+    body = {
+        "model": "bench", "prompt": f"stream {i}", "max_tokens": 480, "ignore_eos": True,
+        "temperature": 0, "stream": True,
+    }  # fmt: skip
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for _ in response.aiter_lines():
+            pass
+
+
+async def _metric(client: httpx.AsyncClient, name: str) -> float:
+    text = (await client.get("/metrics")).text
+    found = re.search(rf"^xlaserve:{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"/metrics has no xlaserve:{name}")
+    return float(found.group(1))
+
+
 def table(rows: dict[int, dict[str, float]]) -> list[str]:
     header = "| running seqs | " + " | ".join(PHASES) + " | host critical path | whole step |"
     lines = [header, "|" + "---|" * (len(PHASES) + 3)]
     for running, ms in rows.items():
         cells = " | ".join(f"{ms[p]:.2f}" for p in PHASES)
         lines.append(f"| {running} | {cells} | {ms['host']:.2f} | {ms['step']:.2f} |")
+    return lines
+
+
+def served_table(rows: dict[int, dict[str, float]], served: dict[int, float]) -> list[str]:
+    lines = [
+        "| streaming clients | offline steps/s | served steps/s | served / offline |",
+        "|---|---|---|---|",
+    ]
+    for running, steps in served.items():
+        offline = 1e3 / rows[running]["step"]
+        lines.append(f"| {running} | {offline:.1f} | {steps:.1f} | {steps / offline:.2f} |")
     return lines
 
 
@@ -139,6 +221,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--running", type=int, nargs="+", default=[16, 64, 256, 1024])
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per size")
     p.add_argument("--warm-steps", type=int, default=3)
+    p.add_argument(
+        "--served",
+        type=int,
+        nargs="*",
+        default=[16, 64, 256],
+        help="running sizes to measure behind the server too (none: skip)",
+    )
+    p.add_argument("--window", type=float, default=5.0, help="seconds sampled behind the server")
+    p.add_argument("--port", type=int, default=8751)
     p.add_argument("--write-results", action="store_true")
     return p
 
@@ -146,9 +237,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     most = max(args.running)
+    if not set(args.served) <= set(args.running):
+        raise SystemExit("--served sizes must be among --running")
+    model_dir = write_checkpoint()
     engine = build_engine(
         EngineConfig(
-            str(write_checkpoint()),
+            str(model_dir),
             cache=CacheConfig(num_pages=most * 4 + 64),
             scheduler=SchedulerConfig(
                 max_num_seqs=most, max_num_batched_tokens=max(most, 256), max_model_len=256
@@ -159,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     assert isinstance(engine, LLMEngine)
     clock = instrument(engine)
     rows = {n: measure(engine, clock, n, args.steps, args.warm_steps) for n in args.running}
+    engine.close()
+    served = {
+        n: served_steps_per_second(model_dir, n, args.port, args.window, model_dir)
+        for n in args.served
+    }
     command = "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = "\n".join(
         [
@@ -170,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             *table(rows),
             "",
             *_target_line(rows),
+            *(["", *served_table(rows, served)] if served else []),
         ]
     )
     print(text)
