@@ -102,13 +102,17 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tupl
 
 
 def empty_slot(cfg: ModelConfig, rank: int, dtype: Any) -> list[dict[str, np.ndarray]]:
-    """One slot's weights, all zeros (the base model)."""
+    """One slot's weights, all zeros (the base model); every array its own."""
     shapes = projection_shapes(cfg)
-    layer = {}
-    for target, (inputs, outputs) in shapes.items():
-        layer[f"{target}_lora_a"] = np.zeros((*inputs, rank), dtype)
-        layer[f"{target}_lora_b"] = np.zeros((rank, *outputs), dtype)
-    return [dict(layer) for _ in range(cfg.num_layers)]
+
+    def layer() -> dict[str, np.ndarray]:
+        arrays = {}
+        for target, (inputs, outputs) in shapes.items():
+            arrays[f"{target}_lora_a"] = np.zeros((*inputs, rank), dtype)
+            arrays[f"{target}_lora_b"] = np.zeros((rank, *outputs), dtype)
+        return arrays
+
+    return [layer() for _ in range(cfg.num_layers)]
 
 
 # ---- reading and checking -------------------------------------------------------------------
@@ -149,6 +153,8 @@ def read_adapter(
     pairs, rank = _pairs(tensors, cfg, max_rank, name)
     alpha = float(config["lora_alpha"])
     r = int(config["r"])
+    if rank != r or any(a.shape[0] != r for a, _ in pairs.values()):
+        raise LoRAError(f"adapter {name!r}: its tensors' ranks differ from r={r} in its config")
     scaling = alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r
     weights = empty_slot(cfg, max_rank, dtype)
     shapes = projection_shapes(cfg)

@@ -122,7 +122,8 @@ def lora_engine(llama_adapters) -> LLMEngine:
     directory, adapters, _ = llama_adapters
     modules = tuple((n, str(p)) for n, p in adapters.items())
     lora = LoRAConfig(max_loras=4, max_lora_rank=16, max_cpu_loras=4, modules=modules)
-    return make_engine(directory, lora, warm_up=True, max_num_batched_tokens=32)
+    # Small buckets (22 step variants): warm-up compiles them all, which is the slow part.
+    return make_engine(directory, lora, warm_up=True, max_num_seqs=5, max_num_batched_tokens=8)
 
 
 def generate(
@@ -200,13 +201,16 @@ def test_prefix_cache_pages_are_per_adapter(lora_engine) -> None:
     engine = lora_engine
     first, second = list(SPECS)[:2]
     prompt = [256, *range(60, 80)]  # 21 tokens: 5 full pages
-    engine.add_request("pc-a1", prompt, GREEDY, lora_name=first)
-    engine.step()  # its prefill: the prompt's pages are in the prefix cache
-    engine.add_request("pc-a2", prompt, GREEDY, lora_name=first)
-    engine.add_request("pc-b1", prompt, GREEDY, lora_name=second)
-    engine.add_request("pc-base", prompt, GREEDY)
-    engine.step()
+    long = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    engine.add_request("pc-a1", prompt, long, lora_name=first)
+    while engine.scheduler.get("pc-a1").num_computed_tokens < len(prompt):
+        engine.step()  # its prefill (chunked): the prompt's pages go into the prefix cache
+    engine.add_request("pc-a2", prompt, long, lora_name=first)
+    engine.add_request("pc-b1", prompt, long, lora_name=second)
+    engine.add_request("pc-base", prompt, long)
     rids = ("pc-a1", "pc-a2", "pc-b1", "pc-base")
+    while any(engine.scheduler.get(r).num_computed_tokens < len(prompt) for r in rids):
+        engine.step()
     tables = {rid: set(engine.kv_cache.page_table(rid)) for rid in rids}
     assert len(tables["pc-a1"] & tables["pc-a2"]) == 5  # the prompt's full pages, shared
     assert not tables["pc-a1"] & tables["pc-b1"]
