@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,7 @@ def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def throughput(
-    engine: Any, prompts: list[list[int]], adapters: list[str | None], args: Any
+    engine: Any, prompts: list[list[int]], adapters: Sequence[str | None], args: Any
 ) -> float:
     """Output tokens per second with at most `concurrency` requests in the engine."""
     from engine.request import SamplingParams
@@ -183,7 +184,8 @@ def ttft(engine: Any, names: list[str], args: Any) -> tuple[float, float]:
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompt = make_prompts(1, args.prompt_len, engine.model_info().vocab_size)[0]
-    resident, loaded = [], []
+    resident: list[float] = []
+    loaded: list[float] = []
     for trial in range(3):
         # The four spread adapters are resident and idle; names[4 + trial] never was in a slot
         # (and, past the host cache's four, is read from disk again).
