@@ -56,7 +56,7 @@ def setup(tmp_path_factory) -> Iterator[tuple[LLMEngine, AsyncEngine, Path, obje
         load_tokenizer(root / "model"),
         cache_config=CacheConfig(page_size=4, num_pages=128),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64
+            max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64
         ),
         warm_up=False,
         lora_config=lora,
