@@ -97,6 +97,7 @@ def test_logits_match_transformers_peft(model_and_adapters) -> None:
         if name is not None:  # the adapter matters: a slot mix-up could not pass unseen
             plain = peft_logits(base, None, prompt).numpy()
             assert np.abs(want - plain).max() > 0.05, name
+        print(f"{name}: max |logit difference| = {np.abs(got - want).max():.2e}")
         assert np.abs(got - want).max() <= 1e-4, (name, np.abs(got - want).max())
 
 
