@@ -91,6 +91,7 @@ class BatchBuilder:
             "page_table": np.zeros((s, p), np.int32),
             "logits_indices": np.zeros(s, np.int32),
             "next_token_ids": np.full(t, -1, np.int32),
+            "lora_slots": np.zeros(t, np.int32),
         }
 
     def build(
@@ -115,7 +116,7 @@ class BatchBuilder:
         self._turn ^= 1
         token_ids, positions, slots = buf["token_ids"], buf["positions"], buf["slot_mapping"]
         cu_q_lens, kv_lens, page_table = buf["cu_q_lens"], buf["kv_lens"], buf["page_table"]
-        next_ids = buf["next_token_ids"]
+        next_ids, lora_slots = buf["next_token_ids"], buf["lora_slots"]
         next_ids[:t] = -1
         offset = 0
         for i, scheduled in enumerate(out.scheduled):
@@ -133,12 +134,14 @@ class BatchBuilder:
                 following = request.prompt_token_ids[start + 1 : start + n + 1]
                 next_ids[offset : offset + len(following)] = following
             kv_lens[i] = start + n
+            lora_slots[offset : offset + n] = request.lora_slot
             offset += n
             cu_q_lens[i + 1] = offset
         num_seqs = len(out.scheduled)
         token_ids[offset:t] = 0
         positions[offset:t] = 0
         slots[offset:t] = -1
+        lora_slots[offset:t] = 0
         cu_q_lens[num_seqs + 1 : s + 1] = offset
         kv_lens[num_seqs:s] = 0
         logits_indices = buf["logits_indices"]
@@ -154,6 +157,7 @@ class BatchBuilder:
             logits_indices=logits_indices[:s],
             next_token_ids=next_ids[:t],
             sampling=self._sampling(out, s, penalties=penalties),
+            lora_slots=lora_slots[:t],
         )
 
     def _sampling(self, out: SchedulerOutput, s: int, *, penalties: bool) -> SamplingTensors:

@@ -97,7 +97,10 @@ def _engines(
         scheduler_config=config.scheduler,
         attention_impl=config.compilation.attention_impl,
         warm_up=warm_up,
+        lora_config=config.lora,
     )
+    if config.lora is not None and (multi or layout.num_replicas > 1):
+        raise XlaserveError("LoRA adapters over several processes or replicas are not supported")
     if layout.num_devices == 1 and not multi:
         return engine(checkpoint.load_params(quantization=config.quantization, progress=True))
     check_layout(layout, checkpoint.cfg)  # before any weight is read

@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.batch import BatchBuilder, BatchShapes, sampling_tensors
 from engine.models.layers import Params
+from engine.models.lora import LoRAInputs
 from engine.request import MAX_LOGPROBS
 from engine.scheduler import SchedulerOutput
 from engine.step import (
@@ -50,15 +51,23 @@ class CompiledStep:
     it, in `variants` order, by warm-up."""
 
     def __init__(
-        self, options: StepOptions, shapes: BatchShapes, page_size: int, params: Params, kv: Any
+        self,
+        options: StepOptions,
+        shapes: BatchShapes,
+        page_size: int,
+        params: Params,
+        kv: Any,
+        lora: Any = None,
     ):
         """`options`: the forward's (no sampling feature: those are variants of the tail);
-        `params` and `kv` (the KV caches) as placed, for their shapes and shardings."""
+        `params`, `kv` (the KV caches) and `lora` (the adapters' slots, or None) as placed, for
+        their shapes and shardings."""
         self.options, self.shapes = options, shapes
         plan = options.sharding
         self._replicated = None if plan is None else plan.replicated
         self._params = jax.tree.map(lambda x: self._like(x, keep_sharding=True), params)
         self._kv = jax.tree.map(lambda x: self._like(x, keep_sharding=True), kv)
+        self._lora = jax.tree.map(lambda x: self._like(x, keep_sharding=True), lora)
         # The all-padding batches that lowering uses have buffers of their own: a variant
         # compiled on first use must not overwrite the batch that is about to run.
         self._examples = BatchBuilder(shapes, page_size)
@@ -129,9 +138,10 @@ class CompiledStep:
     def _lower_forward(self, t: int, s: int) -> Any:
         empty = self._examples.build_padded(SchedulerOutput(), None, t, s, penalties=False)
         batch = jax.tree.map(self._like, empty)
+        lora = None if self._lora is None else LoRAInputs(self._lora, batch.lora_slots)
         return self._jits[0].lower(
             self._params, self._kv, batch.token_ids, batch.positions, attention_metadata(batch),
-            batch.logits_indices, options=self.options,
+            batch.logits_indices, lora, options=self.options,
         )  # fmt: skip
 
     def _lower_sample(self, s: int, penalties: bool) -> Any:

@@ -249,6 +249,50 @@ class ParallelConfig:
         return self.num_processes is not None
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's flags): `max_loras` adapters live in device slots at once
+    (slot 0, all zeros, is the base model), each of rank at most `max_lora_rank`; at most
+    `max_cpu_loras` parsed adapters are kept on the host (least recently used dropped first,
+    re-read from disk when needed). `modules`: (name, path) pairs registered at start-up.
+    `allowed_dirs`: the only directories adapters may be loaded from at runtime;
+    `allow_runtime_updating` turns the load/unload endpoints on."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    modules: tuple[tuple[str, str], ...] = ()
+    allowed_dirs: tuple[str, ...] = ()
+    allow_runtime_updating: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}"
+            )
+        object.__setattr__(self, "modules", tuple(tuple(m) for m in self.modules))
+        object.__setattr__(self, "allowed_dirs", tuple(self.allowed_dirs))
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA module names must be distinct, got {names}")
+
+    @property
+    def num_slots(self) -> int:
+        """Device slots including slot 0, the base model."""
+        return self.max_loras + 1
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `engine.builder.build_engine` needs, in one hashable value.
@@ -265,6 +309,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    lora: LoRAConfig | None = None  # None: no adapters (--enable-lora off)
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

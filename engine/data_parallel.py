@@ -40,12 +40,23 @@ class DataParallelEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         if request_id in self._owner:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         replica = min(self.replicas, key=LLMEngine.num_unfinished_requests)
-        replica.add_request(request_id, prompt, params, priority=priority)
+        replica.add_request(request_id, prompt, params, priority=priority, lora_name=lora_name)
         self._owner[request_id] = replica
+
+    # LoRA over replicas is refused at build time (engine.builder): the replicas have none.
+    def add_lora(self, name: str, path: str, *, restricted: bool = False) -> None:
+        self.replicas[0].add_lora(name, path, restricted=restricted)
+
+    def remove_lora(self, name: str) -> None:
+        self.replicas[0].remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return []
 
     def abort_request(self, request_id: str) -> None:
         replica = self._owner.pop(request_id, None)

@@ -32,7 +32,7 @@ import numpy as np
 
 GIB = 1 << 30
 RELEASED = -1  # page-table entry of a page released behind the sliding window
-_ROOT_HASH = b""  # the parent of a request's first page; a LoRA/model salt would be mixed in here
+_ROOT_HASH = b""  # the parent of a request's first page (no salt)
 
 
 def hash_page(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -43,6 +43,12 @@ def hash_page(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     K/V, are not a practical concern.
     """
     return hashlib.sha256(parent_hash + np.asarray(token_ids, dtype="<i8").tobytes()).digest()
+
+
+def root_hash(salt: bytes) -> bytes:
+    """The parent hash of a request's first page: a salt (a LoRA adapter's identity) starts a
+    chain of its own, so pages computed with one adapter are never found by another's lookup."""
+    return hashlib.sha256(b"salt:" + salt).digest() if salt else _ROOT_HASH
 
 
 class KVCacheManager:
@@ -118,18 +124,20 @@ class KVCacheManager:
         needed = self.num_pages_needed(request_id, num_tokens, len(cached_pages))
         return needed + reviving <= len(self._free)
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], salt: bytes = b""
+    ) -> tuple[list[int], int]:
         """The cached pages that hold the longest computed prefix of `token_ids`, and its length.
 
         The length is a multiple of `page_size` and at most `len(token_ids) - 1`, so at least one
         token is always left to compute and produce logits from. Counts the lookup in the stats:
         call it once per request. Pass the result to `allocate` before any other allocation, which
-        could evict the pages.
+        could evict the pages. `salt`: as given to `commit_full_pages` (the request's adapter).
         """
         if not self.enable_prefix_caching:
             return [], 0
         pages: list[int] = []
-        parent = _ROOT_HASH
+        parent = root_hash(salt)
         for i in range((len(token_ids) - 1) // self.page_size):  # leave >= 1 token to compute
             parent = hash_page(parent, self._page_tokens(token_ids, i))
             page = self._cached.get(parent)
@@ -167,7 +175,7 @@ class KVCacheManager:
         return new_pages
 
     def commit_full_pages(
-        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, salt: bytes = b""
     ) -> None:
         """Register in the prefix cache the request's pages that the computed tokens now fill.
 
@@ -186,7 +194,8 @@ class KVCacheManager:
             )
         chain = self._chains.get(request_id, [])
         for i in range(len(chain), num_full):
-            key = hash_page(chain[-1] if chain else _ROOT_HASH, self._page_tokens(token_ids, i))
+            parent = chain[-1] if chain else root_hash(salt)
+            key = hash_page(parent, self._page_tokens(token_ids, i))
             chain.append(key)
             if key not in self._cached:
                 self._cached[key] = table[i]

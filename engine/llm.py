@@ -12,6 +12,7 @@ from typing import Any
 from engine.builder import build_engine
 from engine.config import CompilationConfig, EngineConfig
 from engine.llm_engine import run_to_completion
+from engine.lora import LoRARequest
 from engine.protocol import Engine
 from engine.request import RequestOutput, SamplingParams
 
@@ -37,8 +38,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns finished outputs in the order of `prompts`."""
+        """Generates for every prompt; returns finished outputs in the order of `prompts`.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); an adapter not seen before is registered from its path first."""
         prompt_list: list[str | Sequence[int]] = (
             [prompts] if isinstance(prompts, str) else list(prompts)
         )
@@ -46,7 +50,18 @@ class LLM:
         params_list = (
             [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
         )
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompt_list)
+        )
         ids = [f"offline-{i}" for i in range(len(prompt_list))]
-        for request_id, prompt, p in zip(ids, prompt_list, params_list, strict=True):
-            self.engine.add_request(request_id, prompt, p)
+        for request_id, prompt, p, lora in zip(ids, prompt_list, params_list, loras, strict=True):
+            name = None if lora is None else self._register(lora)
+            self.engine.add_request(request_id, prompt, p, lora_name=name)
         return run_to_completion(self.engine, ids, use_tqdm=use_tqdm)
+
+    def _register(self, lora: LoRARequest) -> str:
+        if lora.lora_name not in self.engine.list_loras():
+            self.engine.add_lora(lora.lora_name, lora.lora_path)
+        return lora.lora_name

@@ -18,11 +18,13 @@ from tqdm import tqdm
 
 from engine.config import (
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
 )
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, XlaserveError
 from engine.kv_cache import KVCacheManager, describe_kv_cache
+from engine.lora import LoRAError, LoRARegistry
 from engine.model_runner import ModelRunner
 from engine.models.layers import Params
 from engine.output_processor import SequenceOutput, StopDecision
@@ -96,8 +98,12 @@ class LLMEngine:
         warm_up: bool = True,
         mesh: Mesh | None = None,
         layout: ShardingLayout | None = None,
+        lora_config: LoRAConfig | None = None,
     ):
-        """`mesh`: a device mesh to shard the model over as `layout` says (`sharding.mesh`)."""
+        """`mesh`: a device mesh to shard the model over as `layout` says (`sharding.mesh`).
+        `lora_config`: serve LoRA adapters (engine/lora.py) next to the base model."""
+        if lora_config is not None and cfg.architecture != "llama":
+            raise XlaserveError(f"LoRA adapters are not supported for {cfg.architecture} models")
         self.cfg = cfg
         self._tokenizer = tokenizer
         self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(
@@ -113,6 +119,7 @@ class LLMEngine:
             eos_token_ids=tokenizer.eos_token_ids,
             mesh=mesh,
             layout=layout,
+            lora_config=lora_config,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_pages,
@@ -129,6 +136,12 @@ class LLMEngine:
             )
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self.loras: LoRARegistry | None = None
+        if lora_config is not None and self.runner.lora is not None:
+            self.loras = LoRARegistry(lora_config, cfg, self.runner.lora.dtype)
+            for name, path in lora_config.modules:
+                self.loras.add(name, path)
+            self.scheduler.adapter_ready = self._adapter_ready
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
         self.counters = _Counters()
@@ -204,14 +217,20 @@ class LLMEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
-        """Queues a request; raises InvalidRequestError (with the numbers) if it can't be served."""
+        """Queues a request, run with the registered LoRA adapter `lora_name` if given; raises
+        InvalidRequestError (with the numbers) if it can't be served."""
         if request_id in self._parents:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        if lora_name is not None:
+            self._lora_registry().path(lora_name)  # raises for an unknown adapter
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         validate_prompt(ids, self.cfg.vocab_size)
         validate_token_ids(params, self.cfg.vocab_size)
         children = [self._child(request_id, i, ids, params, priority) for i in range(params.n)]
+        for child in children:
+            child.lora_name = lora_name
         self.scheduler.add_request(children[0])  # raises if the request can never fit
         outputs = [
             SequenceOutput(self.tokenizer, params, self.scheduler_config.model_len)
@@ -232,6 +251,43 @@ class LLMEngine:
         seed = random.getrandbits(32) if user_seed is None else (user_seed + index) % 2**32
         child_id = request_id if params.n == 1 else f"{request_id}#{index}"
         return Request(child_id, list(ids), params, seed=seed, priority=priority)
+
+    # ---- LoRA adapters -------------------------------------------------------------------------
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise InvalidRequestError("LoRA is not enabled (--enable-lora)", param="model")
+        return self.loras
+
+    def add_lora(self, name: str, path: str, *, restricted: bool = False) -> None:
+        """Registers the PEFT adapter in directory `path` as `name`, read and checked now;
+        `restricted`: its files must lie in the configured allowed directories. LoRAError
+        (an InvalidRequestError) names what is wrong."""
+        self._lora_registry().add(name, path, restricted=restricted)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters an adapter; refused (LoRAError) while running requests use it."""
+        registry = self._lora_registry()
+        busy = {r.lora_slot for r in self.scheduler.running}
+        if any(c.lora_name == name for p in self._parents.values() for c in p.children):
+            raise LoRAError(f"the LoRA adapter {name!r} is in use by unfinished requests")
+        registry.remove(name, busy)
+
+    def list_loras(self) -> list[str]:
+        return [] if self.loras is None else self.loras.names()
+
+    def _adapter_ready(self, request: Request) -> bool:
+        """Puts the request's adapter in a device slot if it is not in one (the scheduler asks
+        before admitting it); False: every slot is held by running requests, so it waits."""
+        if request.lora_name is None or self.loras is None:
+            return True
+        busy = {r.lora_slot for r in self.scheduler.running}
+        assert self.runner.lora is not None
+        acquired = self.loras.acquire(request.lora_name, busy, self.runner.lora.load)
+        if acquired is None:
+            return False
+        request.lora_slot, request.cache_salt = acquired
+        return True
 
     def abort_request(self, request_id: str) -> None:
         parent = self._parents.pop(request_id, None)

@@ -19,9 +19,11 @@ from tqdm import tqdm
 from engine import compilation, host_memory, kv_cache
 from engine.batch import BatchBuilder, BatchShapes
 from engine.compiled_step import CompiledStep, Variant
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from engine.errors import XlaserveError
+from engine.lora_slots import LoRASlots
 from engine.models.layers import Params, stack_layers
+from engine.models.lora import LoRAInputs
 from engine.request import MAX_LOGPROBS
 from engine.scheduler import SchedulerOutput
 from engine.step import StepInput, StepOptions, StepOutput, attention_metadata
@@ -90,6 +92,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         mesh: Mesh | None = None,
         layout: ShardingLayout | None = None,
+        lora_config: LoRAConfig | None = None,
     ):
         compilation.install()
         if _platform() == "cpu":
@@ -97,6 +100,10 @@ class ModelRunner:
         self.cfg = cfg
         self.plan = _sharding_plan(cfg, mesh, layout)
         self.params = self._place_params(params)
+        # The adapters' device slots (engine/lora_slots.py); None: LoRA is off.
+        self.lora = None
+        if lora_config is not None:
+            self.lora = LoRASlots(lora_config, cfg, self.params, self.plan)
         self.attention_impl = attention_impl
         self.kv_dtype = cache_config.kv_dtype(cfg.dtype, _platform())
         if self.plan is not None and self.kv_dtype in ("int8", "fp8"):
@@ -124,8 +131,9 @@ class ModelRunner:
         )
         self.builder = BatchBuilder(self.shapes, cache_config.page_size, eos_token_ids)
         self.compiled = CompiledStep(
-            self.options(), self.shapes, self.page_size, self.params, self.kv_caches
-        )
+            self.options(), self.shapes, self.page_size, self.params, self.kv_caches,
+            None if self.lora is None else self.lora.weights,
+        )  # fmt: skip
         # Called with each batch before it runs (a multi-process leader sends it to followers).
         self.before_step: Callable[[StepInput, StepOptions], None] | None = None
         # Read by the serving side: how long warm-up took, and the process's XLA compilation
@@ -256,9 +264,10 @@ class ModelRunner:
         if self.before_step is not None:
             self.before_step(batch, options)
         placed, want_logprobs = self._put((batch, np.bool_(options.num_top_logprobs > 0)))
+        lora = None if self.lora is None else LoRAInputs(self.lora.weights, placed.lora_slots)
         out, self.kv_caches = forward(
             self.params, self.kv_caches, placed.token_ids, placed.positions,
-            attention_metadata(placed), placed.logits_indices,
+            attention_metadata(placed), placed.logits_indices, lora,
         )  # fmt: skip
         sampled = sample(out.logits, placed.sampling, want_logprobs)
         prompt_out = None

@@ -76,9 +76,25 @@ class Engine(Protocol):
         params: SamplingParams,
         *,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
-        """Queues a request (lower `priority` values are served first); raises
-        InvalidRequestError, naming the problem, for one that can never be served."""
+        """Queues a request (lower `priority` values are served first), run with the LoRA
+        adapter registered as `lora_name` if given; raises InvalidRequestError, naming the
+        problem, for one that can never be served."""
+        ...
+
+    def add_lora(self, name: str, path: str, *, restricted: bool = False) -> None:
+        """Registers the PEFT adapter in directory `path` as `name`, read and checked now;
+        `restricted`: only from the directories allowed at start-up. InvalidRequestError
+        (engine.lora.LoRAError) names what is wrong."""
+        ...
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters an adapter; InvalidRequestError if unknown or still in use."""
+        ...
+
+    def list_loras(self) -> list[str]:
+        """The registered adapters' names (any thread may ask)."""
         ...
 
     def abort_request(self, request_id: str) -> None:

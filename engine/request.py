@@ -141,6 +141,9 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     scheduled_time: float | None = None
+    lora_name: str | None = None  # the adapter it runs with (None: the base model)
+    lora_slot: int = 0  # the adapter's device slot while it runs (0: the base model)
+    cache_salt: bytes = b""  # mixed into its prefix-cache page hashes (the adapter's identity)
 
     @property
     def num_tokens(self) -> int:

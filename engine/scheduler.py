@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -58,6 +59,9 @@ class Scheduler:
         self._order = itertools.count()
         self._requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Asked before a waiting request is admitted: whether its LoRA adapter is in a device
+        # slot (put there if one is free); a request whose adapter must wait is passed over.
+        self.adapter_ready: Callable[[Request], bool] = lambda request: True
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -130,14 +134,29 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        passed_over: list[tuple[int, float, int, Request]] = []  # waiting for an adapter slot
+        try:
+            self._admit_waiting(out, budget, passed_over)
+        finally:
+            for entry in passed_over:
+                heapq.heappush(self._waiting, entry)
+
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, passed_over: list[tuple[int, float, int, Request]]
+    ) -> None:
         while self._waiting and budget > 0:
             request = self._waiting[0][3]
             if request in out.preempted:  # preempted in this step: it waits for the next
                 return
+            if not self.adapter_ready(request):  # the requests behind it may go first
+                passed_over.append(heapq.heappop(self._waiting))
+                continue
             cached_pages: list[int] = []
             num_cached = 0
             if request.sampling_params.prompt_logprobs is None:  # those need every position
-                cached_pages, num_cached = self.kv_cache.find_cached_prefix(request.all_token_ids)
+                cached_pages, num_cached = self.kv_cache.find_cached_prefix(
+                    request.all_token_ids, request.cache_salt
+                )
             num_new = min(request.num_tokens - num_cached, budget)
             while not self._admits(request, num_cached + num_new, cached_pages):
                 victim = self._lower_priority_victim(request)
@@ -199,7 +218,10 @@ class Scheduler:
             request = s.request
             request.num_computed_tokens = s.start + s.num_new_tokens
             self.kv_cache.commit_full_pages(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.cache_salt,
             )
             self.kv_cache.release_behind_window(request.request_id, request.num_computed_tokens)
             if s.completes_sequence:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from engine import sampling
 from engine.config import ModelConfig
+from engine.models import lora as lora_model
 from engine.models import registry
 from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.layers import Params
@@ -46,6 +47,7 @@ class StepInput:
     logits_indices: Any  # i32[S]; each sequence's last scheduled token
     next_token_ids: Any  # i32[T]; for prompt logprobs: the prompt token after each, or -1
     sampling: sampling.SamplingTensors
+    lora_slots: Any = None  # i32[T]; each token's adapter slot (0: the base model, padding)
 
 
 @jax.tree_util.register_dataclass
@@ -93,10 +95,13 @@ def _forward(
     positions: jax.Array,  # i32[T]
     meta: AttentionMetadata,
     options: StepOptions,
+    lora: lora_model.LoRAInputs | None = None,
 ) -> tuple[jax.Array, Any]:
     """Runs the model over the batch's tokens, writing their K/V into the paged caches;
     returns the final hidden states f[T, D] and the caches."""
     cfg, plan = options.cfg, options.sharding
+    if lora is not None:
+        params = {**params, "layers": lora_model.attach(params["layers"], lora)}
     attend: Callable[..., Any] = functools.partial(
         paged_attention,
         sm_scale=registry.family(cfg).sm_scale(cfg),
@@ -125,14 +130,16 @@ def forward_step(
     positions: jax.Array,  # i32[T]
     meta: AttentionMetadata,
     logits_indices: jax.Array,  # i32[S]
+    lora: lora_model.LoRAInputs | None = None,
     *,
     options: StepOptions,
 ) -> tuple[ForwardOutput, Any]:
     """The model's part of a step: the logits at each sequence's last scheduled token, every
     token's hidden state, and the updated caches. Reads nothing of the sampling parameters, so
     one compilation per (T, S) bucket serves every request mix (`options`' sampling fields are
-    not read: pass them off, so that the jit cache holds one entry)."""
-    hidden, kv_caches = _forward(params, kv_caches, token_ids, positions, meta, options)
+    not read: pass them off, so that the jit cache holds one entry). `lora`: the adapter slots
+    and each token's slot (engine/models/lora.py); None: no adapters."""
+    hidden, kv_caches = _forward(params, kv_caches, token_ids, positions, meta, options, lora)
     logits = registry.compute_logits(params, hidden[logits_indices], cfg=options.cfg)
     return ForwardOutput(logits, hidden), kv_caches
 

@@ -116,6 +116,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's deltas (what each step added); the last has `finished` set.
 
@@ -131,7 +132,9 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt, params, priority=priority)
+                self.engine.add_request(
+                    request_id, prompt, params, priority=priority, lora_name=lora_name
+                )
             except BaseException as e:
                 _call_soon(loop, _settle, accepted, e)
                 return
@@ -153,6 +156,23 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def run(self, work: Callable[[], T]) -> T:
+        """The result of `work()` run on the engine thread between steps (what changes the
+        engine's state, e.g. loading a LoRA adapter); its exception is raised here."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def call() -> None:
+            try:
+                result = work()
+            except BaseException as e:
+                _call_soon(loop, _settle, done, e)
+                return
+            _call_soon(loop, _set_result, done, result)
+
+        self._post(call)
+        return await done
 
     def abort(self, request_id: str) -> None:
         def abort() -> None:
@@ -293,3 +313,8 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)

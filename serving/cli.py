@@ -21,6 +21,7 @@ from engine.config import (
     CacheConfig,
     CompilationConfig,
     EngineConfig,
+    LoRAConfig,
     ParallelConfig,
     QuantizationConfig,
     SchedulerConfig,
@@ -170,7 +171,65 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "before answering (multi-process and data-parallel engines always do)",
     )
     _add_parallel_args(serve)
+    _add_lora_args(serve)
     serve.set_defaults(run=_serve)
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA adapters (PEFT format; see engine/lora.py)")
+    group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters to register at start-up; a request picks one by its `model`",
+    )
+    group.add_argument(
+        "--max-loras", type=_positive_int, default=4, help="adapters in device slots at once"
+    )
+    group.add_argument("--max-lora-rank", type=_positive_int, default=16)
+    group.add_argument(
+        "--max-cpu-loras",
+        type=_positive_int,
+        default=None,
+        help="parsed adapters kept on the host (default: --max-loras)",
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key), "
+        "reading adapters only from --lora-dirs (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
+    group.add_argument(
+        "--lora-dirs",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="the only directories runtime-loaded adapters may come from",
+    )
+
+
+def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
+    """The LoRA flags as a LoRAConfig (None without --enable-lora)."""
+    if not args.enable_lora:
+        if args.lora_modules or args.allow_runtime_lora_updating:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+        return None
+    modules = []
+    for module in args.lora_modules:
+        name, sep, path = module.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {module!r}")
+        modules.append((name, path))
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        modules=tuple(modules),
+        allowed_dirs=tuple(args.lora_dirs),
+        allow_runtime_updating=args.allow_runtime_lora_updating,
+    )
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -249,6 +308,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
             process_id=args.process_id,
         ),
         warm_up=args.warm_up,
+        lora=lambda: lora_config(args),
     )
 
 
@@ -280,6 +340,7 @@ def _engine_config(
     scheduler: Callable[[], SchedulerConfig],
     parallel: Callable[[], ParallelConfig],
     warm_up: str,
+    lora: Callable[[], LoRAConfig | None] = lambda: None,
 ) -> EngineConfig:
     """The flags as one EngineConfig; a value the config refuses is a one-line error."""
     try:
@@ -293,6 +354,7 @@ def _engine_config(
             compilation=CompilationConfig(
                 cache_dir=args.compilation_cache_dir or None, warm_up=warm_up
             ),
+            lora=lora(),
         )
     except (ValueError, OSError) as e:
         raise XlaserveError(str(e)) from e

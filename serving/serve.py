@@ -71,6 +71,7 @@ def run_serve(config: EngineConfig, options: ServeOptions) -> int:
         api_key=options.api_key,
         admission=admission,
         max_body_bytes=options.max_request_bytes,
+        allow_lora_updating=config.lora is not None and config.lora.allow_runtime_updating,
     )
     server_config = uvicorn.Config(
         app,

@@ -49,6 +49,22 @@ PARAM_AXES: Mapping[str, Axes] = {
     "w_gate": ("embed", "mlp"),
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
+    # LoRA slots [slots, in..., rank] and [slots, rank, out...] (engine/lora_slots.py): A split
+    # along its base weight's input axes, B along its output axes, as the base weight is.
+    "wq_lora_a": (None, "embed", None),
+    "wq_lora_b": (None, None, "heads", "head_dim"),
+    "wk_lora_a": (None, "embed", None),
+    "wk_lora_b": (None, None, "kv_heads", "head_dim"),
+    "wv_lora_a": (None, "embed", None),
+    "wv_lora_b": (None, None, "kv_heads", "head_dim"),
+    "wo_lora_a": (None, "heads", "head_dim", None),
+    "wo_lora_b": (None, None, "embed"),
+    "w_gate_lora_a": (None, "embed", None),
+    "w_gate_lora_b": (None, None, "mlp"),
+    "w_up_lora_a": (None, "embed", None),
+    "w_up_lora_b": (None, None, "mlp"),
+    "w_down_lora_a": (None, "mlp", None),
+    "w_down_lora_b": (None, None, "embed"),
 }
 # One layer's cache [pages, page_size, 2*Hkv, Dp] (K and V interleaved on the head axis, so a
 # contiguous block of the axis holds whole K/V pairs); stacked caches lead with `layers`.

@@ -15,7 +15,7 @@ import numpy as np
 
 from engine.config import ModelConfig, RopeScaling
 from engine.errors import UnsupportedModelError
-from engine.models import layers
+from engine.models import layers, lora
 from engine.models.layers import AttentionFn, Params
 from engine.models.quant import take_rows
 
@@ -59,18 +59,18 @@ def decoder(
     def layer(x: jax.Array, p: Params, cache: Any) -> tuple[jax.Array, Any]:
         with jax.named_scope("attention"):
             h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q = layers.project_to_heads(h, p["wq"])
-            k = layers.project_to_heads(h, p["wk"])
-            v = layers.project_to_heads(h, p["wv"])
+            q = lora.project_to_heads(h, p, "wq")
+            k = lora.project_to_heads(h, p, "wk")
+            v = lora.project_to_heads(h, p, "wv")
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q = layers.apply_rope(q, positions, inv_freq)
             k = layers.apply_rope(k, positions, inv_freq)
             out, cache = attention(q, k, v, cache, sliding_window=cfg.sliding_window)
-            x = x + layers.project_from_heads(out, p["wo"])
+            x = x + lora.project_from_heads(out, p, "wo")
         with jax.named_scope("mlp"):
             h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            x = x + layers.gated_mlp(h, p, jax.nn.silu)
+            x = x + lora.gated_mlp(h, p, jax.nn.silu)
         return x, cache
 
     return layers.run_layers(layer, x, layer_params, caches)

@@ -88,7 +88,13 @@ class GenerationService(pb2_grpc.GenerationServicer):
             request_id = f"grpc-{uuid.uuid4().hex}"
             stream = cast(  # an async generator (annotated as its AsyncIterator interface)
                 AsyncGenerator[RequestOutput, None],
-                self._engine.generate(request_id, prompt, params, priority=request.priority),
+                self._engine.generate(
+                    request_id,
+                    prompt,
+                    params,
+                    priority=request.priority,
+                    lora_name=request.lora_name if request.HasField("lora_name") else None,
+                ),
             )
             async with self._admitted(), contextlib.aclosing(stream):
                 async for output in stream:  # deltas: each is sent as it is

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
 from serving.admission import AdmissionLimit
 from serving.async_engine import AsyncEngine
-from serving.openai import chat, completions
+from serving.openai import chat, completions, lora
 from serving.openai.errors import APIError, BodySizeLimit, install_error_handlers
 from serving.openai.metrics import CONTENT_TYPE
 from serving.openai.protocol import DetokenizeRequest, TokenizeRequest
@@ -28,9 +28,11 @@ def create_app(
     api_key: str | None = None,
     admission: AdmissionLimit | None = None,
     max_body_bytes: int = 8 * 2**20,
+    allow_lora_updating: bool = False,
 ) -> FastAPI:
     """`admission`: how many requests may run or wait at once (share it with a gRPC server on
-    the same engine); None admits every request."""
+    the same engine); None admits every request. `allow_lora_updating`: serve
+    POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key)."""
     app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None, openapi_url=None)
     limits = ServerLimits(api_key, admission, max_body_bytes)
     app.state.server = ServerState(served_model_name, limits)
@@ -43,6 +45,8 @@ def create_app(
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(chat.router, dependencies=guarded)
     app.include_router(_api, dependencies=guarded)
+    if allow_lora_updating:
+        app.include_router(lora.router, dependencies=guarded)
     app.include_router(_open)
     _mount_chat_page(app)
     return app
@@ -91,9 +95,14 @@ async def list_models(request: Request) -> dict[str, Any]:
         "created": state.created,
         "owned_by": "xlaserve",
     }
+    adapters = []
     if state.async_engine is not None:
         card["max_model_len"] = state.max_model_len
-    return {"object": "list", "data": [card]}
+        adapters = [
+            {**card, "id": name, "root": name, "parent": state.served_model_name}
+            for name in state.async_engine.engine.list_loras()
+        ]
+    return {"object": "list", "data": [card, *adapters]}
 
 
 @_api.post("/tokenize")

@@ -34,7 +34,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.server
-    state.check_model(body.model)
+    lora_name = state.check_model(body.model)
     refuse_unsupported(body)
     _, tokenizer = state.ready()
     prompt_ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt)
@@ -49,8 +49,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_prompt(prompt_ids, params)
     state.admit(request, 1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = state.generate(request_id, prompt_ids, params, body.priority)
-    answer = _ChatAnswer(request_id, state.served_model_name, tokenizer, params)
+    stream = state.generate(request_id, prompt_ids, params, body.priority, lora_name)
+    answer = _ChatAnswer(request_id, lora_name or state.served_model_name, tokenizer, params)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = answer.stream(merge([stream]), include_usage)

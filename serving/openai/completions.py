@@ -33,7 +33,7 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.server
-    state.check_model(body.model)
+    lora_name = state.check_model(body.model)
     refuse_unsupported(body)
     _, tokenizer = state.ready()
     prompts = _prompts(body.prompt, tokenizer)
@@ -45,11 +45,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state.admit(request, len(prompts))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = [
-        state.generate(f"{request_id}-{i}", ids, params, body.priority)
+        state.generate(f"{request_id}-{i}", ids, params, body.priority, lora_name)
         for i, ids in enumerate(prompts)
     ]
     echo = [tokenizer.decode(ids) for ids in prompts] if body.echo else None
-    answer = _Answer(request_id, state.served_model_name, tokenizer, params, echo)
+    answer = _Answer(request_id, lora_name or state.served_model_name, tokenizer, params, echo)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = answer.stream(merge(streams), include_usage)

@@ -138,3 +138,17 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[Token]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's POST /v1/unload_lora_adapter body (`lora_int_id` accepted, not used)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None

@@ -58,9 +58,14 @@ class ServerState:
 
     # ---- checks, in the order handlers make them ---------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter that `model` names (None: the base model); 404 for neither."""
+        if model is None or model == self.served_model_name:
+            return None
+        engine = self._engine()
+        if engine is not None and model in engine.list_loras():
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     def ready(self) -> tuple[AsyncEngine, Tokenizer]:
         """503 (with the reason) while loading, and while the engine loop is dead, stopping or
@@ -109,14 +114,20 @@ class ServerState:
     # ---- generation --------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's stream for one prompt, with latency metrics observed."""
+        """The engine's stream for one prompt (with the LoRA adapter `lora_name`, if given),
+        with latency metrics observed."""
         async_engine, _ = self.ready()
         started = time.monotonic()
         first: float | None = None
         async for output in async_engine.generate(
-            request_id, prompt_ids, params, priority=priority
+            request_id, prompt_ids, params, priority=priority, lora_name=lora_name
         ):
             if first is None:
                 first = time.monotonic()

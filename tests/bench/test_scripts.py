@@ -24,3 +24,18 @@ def test_help(script: str) -> None:
         check=True,
     )
     assert "--write-results" in done.stdout
+
+
+def test_lora_smoke() -> None:
+    """bench/lora.py end to end on a tiny random model (the real run is SmolLM2's)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "lora.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
+    assert "| spread over 4 adapters |" in done.stdout
+    assert "| adapter read and written into a slot first |" in done.stdout

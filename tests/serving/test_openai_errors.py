@@ -246,7 +246,7 @@ class _StuckEngine:
     def health(self) -> LoopHealth:
         return LoopHealth(ok=True, reason="", last_step_age_s=0.0, step_timeout_s=1.0)
 
-    async def generate(self, request_id, prompt, params, *, priority=0):
+    async def generate(self, request_id, prompt, params, *, priority=0, lora_name=None):
         await asyncio.Event().wait()
         yield  # pragma: no cover
 
