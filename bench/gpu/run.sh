@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# The device benchmark in one go, for the GPU machine (no network; installs nothing):
-#   bash bench/gpu/run.sh            Llama-3-8B shape, random bf16 weights (under 8 minutes)
-#   SMALL=1 bash bench/gpu/run.sh    a shrunk model, e.g. on a CPU to test the script
-# Results: a table on stdout, and in $OUT (or /tmp) bench-gpu.json and bench-gpu.md (the
-# bench/RESULTS.md section). Extra arguments go to llama_bench.py (e.g. --write-results).
+# The device benchmarks in one go, for the GPU machine (no network; installs nothing):
+#   bash bench/gpu/run.sh                 kernels.py (attention alone, ~4 minutes), then
+#                                         llama_bench.py (Llama-3-8B shape, random bf16 weights)
+#   BENCH=kernels bash bench/gpu/run.sh   only kernels.py; BENCH=llama only llama_bench.py
+#   SMALL=1 bash bench/gpu/run.sh         shrunk workloads, e.g. on a CPU to test the scripts
+# Results: tables on stdout, and in $OUT (or /tmp) bench-gpu-kernels.{json,md} and
+# bench-gpu.{json,md} (the bench/RESULTS.md sections). Extra arguments go to both scripts
+# (e.g. --write-results). kernels.py exits non-zero if any kernel output differs from the
+# reference; the script then stops there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=.
 args=()
 if [[ "${SMALL:-0}" != "0" ]]; then args+=(--small); fi
 out="${OUT:-/tmp}"
+bench="${BENCH:-all}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
-# 470 s: the whole run must finish in 8 minutes; what it measured by then is in the JSON.
-timeout 470 python3 bench/gpu/llama_bench.py "${args[@]}" --json "$out/bench-gpu.json" \
-    --markdown "$out/bench-gpu.md" "$@"
+if [[ "$bench" == "all" || "$bench" == "kernels" ]]; then
+    # 240 s: the kernels stop starting new cases at 200 s; what they measured is in the JSON.
+    timeout 240 python3 bench/gpu/kernels.py "${args[@]}" --json "$out/bench-gpu-kernels.json" \
+        --markdown "$out/bench-gpu-kernels.md" "$@"
+fi
+if [[ "$bench" == "all" || "$bench" == "llama" ]]; then
+    # 470 s: the whole step benchmark must finish in 8 minutes.
+    timeout 470 python3 bench/gpu/llama_bench.py "${args[@]}" --json "$out/bench-gpu.json" \
+        --markdown "$out/bench-gpu.md" "$@"
+fi

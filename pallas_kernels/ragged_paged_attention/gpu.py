@@ -33,11 +33,21 @@ Design
   that skips whole blocks outside the window or past the causal end. Each key's page comes from the
   page table, so a block may span pages and page_size needs no relation to block_kv.
 - Online softmax in f32 (running max m, sum l, accumulator acc); q.k in f32 from q.dtype
-  operands, p cast to the cache dtype for p @ V (flash-attention practice for bf16).
+  operands, p cast to the cache dtype for p @ V (flash-attention practice for bf16). bf16
+  operands run on tensor cores. float32 operands: Pallas' default precision on GPU is TF32 (10
+  mantissa bits, ~1e-3 relative error per product), so the dots ask for it explicitly:
+  `float32_dots="ieee"` (the default) is exact float32 FMA on the CUDA cores, "tf32" uses tensor
+  cores at TF32's error (its tolerance in the tests: 5e-3 instead of 1e-5).
+- Tiles sized to the rows they serve: a decode bucket (T <= S: at most one query token per
+  sequence on average) gets 16-row query tiles (`DECODE_BLOCK_SIZES`; at G = 4 that is 4 decode
+  rows, not the 16 of a 64-row prefill tile of which 60 would be masked) and deeper
+  pipelining of the KV loop, which is all a decode does; other buckets get `BLOCK_SIZES`.
 - Split-KV ("flash decoding", `num_kv_splits > 1`): axis 2 cuts each tile's key blocks into
   contiguous ranges; each program writes its normalized partial output and log-sum-exp in f32
   and `_merge_splits` combines them. It gives a batch of few long decodes more programs than
-  `num_seqs * Hkv`; with one split the kernel writes the output directly.
+  `num_seqs * Hkv`; with one split the kernel writes the output directly. `num_kv_splits=None`
+  (the default) picks the count with `choose_num_kv_splits` from the bucket's shape and the
+  device's SM count (132 on an H200, assumed when exporting without a GPU).
 - Quantized cache (int8 / float8_e4m3fn values, f32 scales per token slot and combined head):
   each K/V tile is loaded as bytes with its keys' scales (one more masked load of `block_kv`
   floats) and widened to q's dtype before the dots.
@@ -68,6 +78,13 @@ MAX_BLOCK_ROWS = 256  # rows of one program's query tile; caps the GQA group siz
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # What `jax.export` must be told to serialize this kernel (Triton custom calls are not stable).
 EXPORT_DISABLED_CHECKS = (export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),)
+# float32_dots -> the dot precision: IEEE float32, or TF32 on tensor cores (Pallas' GPU default).
+FLOAT32_DOTS = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}
+H200_SMS = 132  # streaming multiprocessors of an H200 (and H100 SXM); used without a GPU
+MAX_KV_SPLITS = 16
+# A split should walk at least this many KV blocks: fewer, and the partial outputs it writes and
+# the merge cost more than the parallelism buys.
+MIN_KV_BLOCKS_PER_SPLIT = 4
 
 
 class BlockSizes(NamedTuple):
@@ -89,6 +106,17 @@ BLOCK_SIZES: dict[int, BlockSizes] = {
     64: BlockSizes(block_rows=64, block_kv=64, num_warps=4, num_stages=2),
     128: BlockSizes(block_rows=64, block_kv=64, num_warps=4, num_stages=2),
     256: BlockSizes(block_rows=64, block_kv=32, num_warps=8, num_stages=2),
+}
+# Decode buckets: 16-row query tiles (one token's G heads, G <= 16; larger groups round up) and a
+# third pipeline stage for the KV loads, the whole of a decode's work. Shared memory per stage at
+# D = 128: K and V tiles of 64 keys, 32 KiB in bf16 (64 KiB in f32), three stages within the
+# 227 KiB an sm_90 block may use. Starting points, not yet measured (bench/gpu/kernels.py).
+DECODE_BLOCK_SIZES: dict[int, BlockSizes] = {
+    16: BlockSizes(block_rows=16, block_kv=64, num_warps=4, num_stages=3),
+    32: BlockSizes(block_rows=16, block_kv=64, num_warps=4, num_stages=3),
+    64: BlockSizes(block_rows=16, block_kv=64, num_warps=4, num_stages=3),
+    128: BlockSizes(block_rows=16, block_kv=64, num_warps=4, num_stages=3),
+    256: BlockSizes(block_rows=16, block_kv=32, num_warps=4, num_stages=3),
 }
 
 
@@ -147,8 +175,11 @@ def _check_options(
     logit_soft_cap: float | None,
     sizes: BlockSizes,
     num_kv_splits: int,
+    float32_dots: str,
 ) -> None:
     """Static checks of the keyword options and block sizes."""
+    if float32_dots not in FLOAT32_DOTS:
+        raise ValueError(f"{float32_dots=} must be one of {tuple(FLOAT32_DOTS)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{sliding_window=} must be None or >= 1")
     if logit_soft_cap is not None and not logit_soft_cap > 0:
@@ -204,6 +235,7 @@ def _attention_kernel(
     block_rows: int,
     block_kv: int,
     num_kv_splits: int,
+    precision: lax.Precision,
 ) -> None:
     """One program: `block_q` query tokens x all G query heads of one KV head, over the keys of
     its KV split (all keys the tile may see when num_kv_splits == 1)."""
@@ -260,7 +292,7 @@ def _attention_kernel(
                 k = (k.astype(jnp.float32) * k_scale[:, None]).astype(q.dtype)
                 v = (v.astype(jnp.float32) * v_scale[:, None]).astype(q.dtype)
 
-            scores = plgpu.dot(q, k, trans_b=True) * sm_scale  # f32[M, K]
+            scores = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # f32[M, K]
             if logit_soft_cap is not None:
                 scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
             visible = key_ok[None, :] & (key[None, :] <= q_pos[:, None])  # bool[M, K]
@@ -272,7 +304,8 @@ def _attention_kernel(
             rescale = jnp.exp(m_prev - m_next)  # f32[M]
             p = jnp.where(visible, jnp.exp(scores - m_next[:, None]), 0.0)  # f32[M, K]
             l_next = rescale * l_prev + p.sum(axis=1)
-            acc_next = rescale[:, None] * acc_prev + plgpu.dot(p.astype(v.dtype), v)
+            pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # f32[M, D]
+            acc_next = rescale[:, None] * acc_prev + pv
             return m_next, l_next, acc_next
 
         init = (
@@ -297,12 +330,44 @@ def _attention_kernel(
             plgpu.store(lse_ref[0].at[split, token, head], lse, mask=row_ok)
 
 
-def _block_sizes(head_dim: int, group: int, **overrides: int | None) -> BlockSizes:
-    """The table's sizes for head_dim with the caller's overrides; the default query tile grows
-    to a power of two that holds one token's `group` query heads."""
-    table = BLOCK_SIZES[head_dim]
+def choose_block_sizes(
+    head_dim: int, group: int, decode: bool, **overrides: int | None
+) -> BlockSizes:
+    """The table's sizes for head_dim (the decode table for a decode bucket) with the caller's
+    overrides; the default query tile grows to a power of two that holds one token's `group`
+    query heads."""
+    table = (DECODE_BLOCK_SIZES if decode else BLOCK_SIZES)[head_dim]
     table = table._replace(block_rows=max(table.block_rows, 1 << (group - 1).bit_length()))
     return table._replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def choose_num_kv_splits(*, num_programs: int, max_kv_len: int, block_kv: int, num_sms: int) -> int:
+    """How many KV splits a grid of `num_programs` busy programs (query tiles x KV heads) gets.
+
+    Each split multiplies the programs; the time of a launch goes as its waves over the SMs
+    divided by the splits, ceil(num_programs * s / num_sms) / s. The count is the smallest s
+    that minimizes it, at most MAX_KV_SPLITS and at most one per MIN_KV_BLOCKS_PER_SPLIT blocks
+    of `block_kv` keys of the longest context (`max_kv_len`). A grid that already fills the SMs
+    gets 1 (no partial outputs to merge).
+    """
+    if num_programs >= num_sms:
+        return 1
+    by_length = max(1, max_kv_len // (MIN_KV_BLOCKS_PER_SPLIT * block_kv))
+    candidates = range(1, min(MAX_KV_SPLITS, by_length) + 1)
+    return min(candidates, key=lambda s: (-(-num_programs * s // num_sms) / s, s))
+
+
+def busy_query_tiles(num_tokens: int, num_slots: int, block_q: int) -> int:
+    """Query tiles that can hold real rows: one per sequence slot and per block_q tokens, but
+    never more than there are tokens."""
+    return min(num_tokens, num_tokens // block_q + num_slots)
+
+
+def _num_sms() -> int:
+    """Streaming multiprocessors of the GPU, or of an H200 when tracing without one (export)."""
+    if jax.default_backend() != "gpu":
+        return H200_SMS
+    return int(jax.local_devices()[0].core_count)
 
 
 def _merge_splits(
@@ -327,6 +392,7 @@ def _merge_splits(
         "num_warps",
         "num_stages",
         "num_kv_splits",
+        "float32_dots",
     ),
 )
 def ragged_paged_attention_gpu(
@@ -345,8 +411,9 @@ def ragged_paged_attention_gpu(
     block_kv: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    num_kv_splits: int = 1,
+    num_kv_splits: int | None = None,
     kv_scales: jax.Array | None = None,
+    float32_dots: str = "ieee",
 ) -> jax.Array:  # q.dtype[T, Hq, D]
     """Causal attention of ragged query rows over a paged KV cache, on a GPU (Pallas Triton).
 
@@ -369,14 +436,18 @@ def ragged_paged_attention_gpu(
       logit_soft_cap: c; scores become c * tanh(scores / c). None: no cap.
       interpret: run the kernel body in Pallas's HLO interpreter (any backend, e.g. CPU tests).
       block_rows: query rows (tokens x query heads of one KV group) per program; a power of
-        two >= 16 and >= the group. None: `BLOCK_SIZES[D]`, raised to hold one token's group.
-      block_kv: keys per inner-loop step; a power of two >= 16. None: `BLOCK_SIZES[D]`.
-      num_warps, num_stages: Triton launch parameters. None: `BLOCK_SIZES[D]`.
+        two >= 16 and >= the group. None: `BLOCK_SIZES[D]` (`DECODE_BLOCK_SIZES[D]` when
+        T <= S), raised to hold one token's group.
+      block_kv: keys per inner-loop step; a power of two >= 16. None: from the same table.
+      num_warps, num_stages: Triton launch parameters. None: from the same table.
       num_kv_splits: split each query tile's keys into this many contiguous ranges, one program
         each, merged after the kernel (split-KV "flash decoding"): more programs for a batch of
         few long decodes, at the cost of f32 partial outputs [splits, T, Hq, D] in memory.
+        None: `choose_num_kv_splits` for this shape and the device's SM count.
       kv_scales: f32[num_pages, page_size, 2*Hkv] when kv_pages holds int8 or float8_e4m3fn
         values: K/V = values * scales[..., None].
+      float32_dots: "ieee" (exact float32 products) or "tf32" (tensor cores, TF32 rounding of
+        the operands) for float32 q and cache; bf16 and quantized caches are unaffected.
 
     Returns:
       q.dtype[T, Hq, D]: softmax(q.k * sm_scale, causal + window masked) @ v per query head;
@@ -386,15 +457,25 @@ def ragged_paged_attention_gpu(
     num_kv_heads, num_slots = kv_pages.shape[2] // 2, kv_lens.shape[0]
     _check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, kv_scales)
     group = num_q_heads // num_kv_heads
-    sizes = _block_sizes(
+    sizes = choose_block_sizes(
         head_dim,
         group,
+        num_tokens <= num_slots,
         block_rows=block_rows,
         block_kv=block_kv,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    _check_options(group, sliding_window, logit_soft_cap, sizes, num_kv_splits)
+    splits = 1 if num_kv_splits is None else num_kv_splits
+    _check_options(group, sliding_window, logit_soft_cap, sizes, splits, float32_dots)
+    block_q = sizes.block_rows // group  # query tokens per program
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(
+            num_programs=busy_query_tiles(num_tokens, num_slots, block_q) * num_kv_heads,
+            max_kv_len=page_table.shape[1] * kv_pages.shape[1],
+            block_kv=sizes.block_kv,
+            num_sms=_num_sms(),
+        )
     kernel = functools.partial(
         _attention_kernel,
         quantized=kv_scales is not None,
@@ -405,8 +486,8 @@ def ragged_paged_attention_gpu(
         block_rows=sizes.block_rows,
         block_kv=sizes.block_kv,
         num_kv_splits=num_kv_splits,
+        precision=FLOAT32_DOTS[float32_dots],
     )
-    block_q = sizes.block_rows // group  # query tokens per program
     splits = num_kv_splits
     out_shape = [jax.ShapeDtypeStruct((splits, *q.shape), q.dtype if splits == 1 else jnp.float32)]
     if splits > 1:

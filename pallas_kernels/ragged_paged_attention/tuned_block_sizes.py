@@ -1,4 +1,6 @@
-"""Block sizes of the TPU ragged paged attention kernel, by chip, dtype, head dim and page size.
+"""Block sizes of xlaserve's own TPU kernel (`tpu_quantized.py`, quantized caches), by chip, dtype,
+head dim and page size. Float caches run jax's maintained kernel, with jax's measured table
+(`jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes`; see `tpu_plan`).
 
 A block size pair is (query tokens per query block, KV pages per KV block). The kernel keeps two KV
 blocks (double buffer), one query block, one output block and float32 accumulators in VMEM, so

@@ -15,6 +15,7 @@ from engine.scheduler import SchedulerOutput
 from engine.step import StepOptions, step
 from pallas_kernels.kv_cache_update import KVCacheSpec
 from pallas_kernels.ragged_paged_attention import gpu
+from tests.pallas_kernels.gpu_lowering import needs_cuda_lowering
 
 CFG = ModelConfig(
     architecture="llama",
@@ -44,7 +45,10 @@ def random_params(cfg: ModelConfig) -> dict:
 
 @pytest.mark.parametrize(
     ("platform", "impl", "disabled"),
-    [("tpu", "tpu", ()), ("cuda", "gpu", gpu.EXPORT_DISABLED_CHECKS)],
+    [
+        ("tpu", "tpu", ()),
+        pytest.param("cuda", "gpu", gpu.EXPORT_DISABLED_CHECKS, marks=needs_cuda_lowering()),
+    ],
 )
 def test_step_exports(platform: str, impl: str, disabled: tuple) -> None:
     page_size, num_tokens, num_seqs = 16, 32, 4

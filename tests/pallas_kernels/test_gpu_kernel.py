@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +24,7 @@ from jax import export
 from ragged_cases import RaggedCase, dense_attention_oracle, make_case, random_lengths
 
 from pallas_kernels.ragged_paged_attention import gpu
+from tests.pallas_kernels.gpu_lowering import cuda_lowering_error, needs_cuda_lowering
 
 # f32: the kernel computes in f32 (IEEE dots) from the same f32 inputs the f64 oracle sees; the
 # only error is f32 rounding of sums over <= ~100 keys of O(1) terms, ~1e-6 (seen: 6e-7).
@@ -30,6 +32,9 @@ F32_TOL = 1e-5
 # bf16: q, K, V are bf16 in both. The kernel rounds p to bf16 before p @ V (2^-8 relative per
 # weight) and rounds the output to bf16 (2^-8 of |out| <= ~3): ~0.01 at worst (seen: 0.0099).
 BF16_TOL = 2e-2
+# TF32 (float32_dots="tf32", GPU only): operands rounded to 10 mantissa bits, 2^-11 relative
+# each; over q.k of 64..256 O(1) products and the softmax, ~1e-3 at worst.
+TF32_TOL = 5e-3
 
 
 class Sweep(NamedTuple):
@@ -229,6 +234,7 @@ def _cuda_specs(dtype: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
         (jnp.bfloat16, {"sliding_window": 64, "logit_soft_cap": 30.0, "num_kv_splits": 4}),
     ],
 )
+@needs_cuda_lowering()
 def test_exports_for_cuda(dtype: Any, options: dict[str, Any]) -> None:
     fn = jax.jit(functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=0.1, **options))
     exported = export.export(
@@ -240,10 +246,82 @@ def test_exports_for_cuda(dtype: Any, options: dict[str, Any]) -> None:
     assert exported.out_avals[0].dtype == dtype
 
 
+@needs_cuda_lowering()
 def test_export_needs_the_disabled_check() -> None:
     fn = jax.jit(functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=0.1))
     with pytest.raises(ValueError, match="custom calls"):
         export.export(fn, platforms=["cuda"])(*_cuda_specs(jnp.float32))
+
+
+def test_cuda_lowering_is_tested_where_it_can_be() -> None:
+    """The CUDA export tests may skip only on a jax that cannot lower Triton without a GPU (0.11
+    and later); on jax 0.10, or with a GPU attached, they must run."""
+    if jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu":
+        assert cuda_lowering_error() is None
+
+
+def _decode_case(num_seqs: int, seed: int) -> RaggedCase:
+    """Decodes only (T == S), Llama-3-8B's GQA ratio at a small size, contexts up to 200."""
+    rng = np.random.default_rng(seed)
+    return make_case(
+        rng,
+        q_lens=[1] * num_seqs,
+        kv_lens=[int(n) for n in rng.integers(1, 200, num_seqs)],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        pages_per_seq=16,
+    )
+
+
+@pytest.mark.parametrize("num_seqs", [1, 64])
+@pytest.mark.parametrize("num_kv_splits", [1, 4, None])
+def test_decode_batches_with_and_without_split_kv(num_seqs: int, num_kv_splits: int | None) -> None:
+    # Default (decode-table) block sizes; None lets the kernel choose the split count.
+    case = _decode_case(num_seqs, seed=num_seqs)
+    out = gpu.ragged_paged_attention_gpu(
+        *_args(case), sm_scale=0.125, interpret=True, num_kv_splits=num_kv_splits
+    )
+    want = dense_attention_oracle(case, 0.125)[: case.num_tokens]
+    np.testing.assert_allclose(case.real_rows(out), want, atol=F32_TOL, rtol=F32_TOL)
+
+
+@pytest.mark.parametrize(
+    ("num_programs", "max_kv_len", "splits"),
+    [
+        # Llama-3-8B decode (8 KV heads, 4 query heads each: a 16-row tile holds 4 tokens), 64
+        # keys per block, 8k context on an H200's 132 SMs:
+        (1 * 8, 8192, 16),  # batch 1: 8 programs; 16 splits make 128 <= 132: one wave, 1/16
+        (8 * 8, 8192, 2),  # batch 8: 64 programs; x2 = 128 (one wave, 1/2); x3 = 192 (2/3)
+        (64 * 8, 8192, 1),  # batch 64: 512 programs already fill the SMs
+        (1 * 8, 512, 2),  # batch 1 at 512 keys: 8 blocks, at most 2 splits of 4 blocks
+        (1 * 3, 8192, 16),  # SmolLM2 (3 KV heads), batch 1: 48 programs, still one wave
+    ],
+)
+def test_split_count_for_an_h200(num_programs: int, max_kv_len: int, splits: int) -> None:
+    got = gpu.choose_num_kv_splits(
+        num_programs=num_programs, max_kv_len=max_kv_len, block_kv=64, num_sms=gpu.H200_SMS
+    )
+    assert got == splits
+
+
+def test_decode_buckets_get_16_row_tiles() -> None:
+    # Llama-3-8B's group of 4 query heads per KV head: 4 decode tokens per 16-row tile.
+    assert gpu.choose_block_sizes(128, 4, decode=True).block_rows == 16
+    assert gpu.choose_block_sizes(128, 4, decode=False).block_rows == 64
+    assert gpu.choose_block_sizes(128, 32, decode=True).block_rows == 32  # a group of 32 heads
+    assert gpu.busy_query_tiles(num_tokens=64, num_slots=64, block_q=4) == 64  # decode bucket
+
+
+@pytest.mark.parametrize(("mode", "precision"), [("ieee", "HIGHEST"), ("tf32", "DEFAULT")])
+def test_float32_dots_ask_for_their_precision(mode: str, precision: str) -> None:
+    """Both dots of the kernel body carry the precision Triton lowers to IEEE or TF32 (Pallas'
+    GPU default is TF32, which interpret mode on a CPU does not show)."""
+    fn = functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=0.1, float32_dots=mode)
+    text = str(jax.make_jaxpr(fn)(*_cuda_specs(jnp.float32)))
+    dots = re.findall(r"dot_general\[.*?precision=(\(.*?\)|None)", text, re.S)
+    assert dots == [f"(Precision.{precision}, Precision.{precision})"] * 2, dots
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernel)")
@@ -254,8 +332,14 @@ class TestOnGpu:
     def test_matches_oracle_compiled(self, sweep: Sweep) -> None:
         _check_against_oracle(sweep, seed=CASES.index(sweep), interpret=False)
 
-    @pytest.mark.parametrize("num_kv_splits", [1, 4])
-    def test_serving_sized_batch(self, num_kv_splits: int) -> None:
+    def test_tf32_mode_within_its_tolerance(self) -> None:
+        case = _decode_case(16, seed=3)
+        out = gpu.ragged_paged_attention_gpu(*_args(case), sm_scale=0.125, float32_dots="tf32")
+        want = dense_attention_oracle(case, 0.125)[: case.num_tokens]
+        np.testing.assert_allclose(case.real_rows(out), want, atol=TF32_TOL, rtol=TF32_TOL)
+
+    @pytest.mark.parametrize("num_kv_splits", [1, 4, None])
+    def test_serving_sized_batch(self, num_kv_splits: int | None) -> None:
         # Default block sizes on a Llama-like shape: 24 decodes, 2 chunked prefills and one full
         # prefill over contexts up to 3000 tokens; too slow for interpret mode on a CPU.
         rng = np.random.default_rng(11)

@@ -33,6 +33,7 @@ from pallas_kernels.kv_cache_update import (
 )
 from pallas_kernels.ragged_paged_attention import gpu, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+from tests.pallas_kernels.gpu_lowering import needs_cuda_lowering
 
 DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 FORMAT_TOLERANCE = {"int8": 3e-2, "fp8": 0.15}
@@ -150,7 +151,7 @@ def test_int8_cache_halves_the_bytes() -> None:
     assert nbytes["int8"] <= 0.27 * nbytes["float32"]
 
 
-def test_quantized_kernels_export() -> None:
+def _export_specs() -> tuple[jax.ShapeDtypeStruct, ...]:
     t, hq, hkv, d, page_size, s, p, num_pages = 64, 8, 2, 128, 32, 4, 8, 64
     q = jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((num_pages, page_size, 2 * hkv, d), jnp.int8)
@@ -161,17 +162,25 @@ def test_quantized_kernels_export() -> None:
         jax.ShapeDtypeStruct((s + 1,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
+    return (q, pages, scales, *meta)
 
+
+def test_quantized_kernel_exports_for_tpu() -> None:
     def tpu_fn(q, pages, scales, *meta):
         return ragged_paged_attention_tpu(q, pages, *meta, sm_scale=0.1, kv_scales=scales)
 
+    tpu = export.export(jax.jit(tpu_fn), platforms=["tpu"])(*_export_specs())
+    assert "tpu_custom_call" in tpu.mlir_module()
+    assert tpu.out_avals[0].shape == (64, 8, 128)
+
+
+@needs_cuda_lowering()
+def test_quantized_kernel_exports_for_cuda() -> None:
     def gpu_fn(q, pages, scales, *meta):
         return gpu.ragged_paged_attention_gpu(q, pages, *meta, sm_scale=0.1, kv_scales=scales)
 
-    tpu = export.export(jax.jit(tpu_fn), platforms=["tpu"])(q, pages, scales, *meta)
-    assert "tpu_custom_call" in tpu.mlir_module()
     cuda = export.export(
         jax.jit(gpu_fn), platforms=["cuda"], disabled_checks=list(gpu.EXPORT_DISABLED_CHECKS)
-    )(q, pages, scales, *meta)
+    )(*_export_specs())
     assert "__gpu$xla.gpu.triton" in cuda.mlir_module()
-    assert tpu.out_avals[0].shape == cuda.out_avals[0].shape == (t, hq, d)
+    assert cuda.out_avals[0].shape == (64, 8, 128)

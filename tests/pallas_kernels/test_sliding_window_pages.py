@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ragged_cases import RaggedCase, dense_attention_oracle, make_case
+from tpu_interpret import needs_tpu_interpreter
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -95,6 +96,7 @@ def test_gpu_kernel_skips_pages_behind_the_window(cases) -> None:
     check(nan_filled, clean, out)
 
 
+@needs_tpu_interpreter()
 def test_tpu_kernel_never_fetches_pages_behind_the_window(cases) -> None:
     from jax.experimental.pallas import tpu as pltpu
 
