@@ -9,11 +9,13 @@ Host code: the replicas' `LLMEngine`s own the device work.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.protocol import EngineStats, Health, ModelInfo
 from engine.request import RequestOutput, SamplingParams
+from engine.structured.spec import StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 
@@ -46,6 +48,9 @@ class DataParallelEngine:
         replica = min(self.replicas, key=LLMEngine.num_unfinished_requests)
         replica.add_request(request_id, prompt, params, priority=priority)
         self._owner[request_id] = replica
+
+    def compile_grammar(self, spec: StructuredOutputs) -> Future[None]:
+        return self.replicas[0].compile_grammar(spec)  # the replicas share one compiler
 
     def abort_request(self, request_id: str) -> None:
         replica = self._owner.pop(request_id, None)

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script", ["startup.py", "weights_dtype.py"])
+@pytest.mark.parametrize("script", ["startup.py", "weights_dtype.py", "structured.py"])
 def test_help(script: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
