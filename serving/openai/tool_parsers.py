@@ -70,8 +70,8 @@ def _json_end(text: str, start: int) -> int | None:
     for i in range(start, len(text)):
         c = text[i]
         if in_string:
-            escaped = not escaped and c == "\\"
             in_string = escaped or c != '"'
+            escaped = not escaped and c == "\\"
         elif c == '"':
             in_string = True
         elif c in "{[":
@@ -192,8 +192,8 @@ def _python_list_end(text: str) -> int | None:
     depth, quote, escaped = 0, "", False
     for i, c in enumerate(text):
         if quote:
-            escaped = not escaped and c == "\\"
             quote = "" if c == quote and not escaped else quote
+            escaped = not escaped and c == "\\"
         elif c in "\"'":
             quote = c
         elif c in "([{":

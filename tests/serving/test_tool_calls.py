@@ -85,8 +85,8 @@ def test_streamed_calls_equal_whole_ones(parser, text, content, calls) -> None:
 
 
 FUNCTIONS = [
-    Function("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}),
-    Function("add", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"]}),
+    Function("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": False}),
+    Function("add", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"], "additionalProperties": False}),
 ]  # fmt: skip
 
 
