@@ -75,7 +75,7 @@ def run_serve(config: EngineConfig, options: ServeOptions) -> int:
         api_key=options.api_key,
         admission=admission,
         max_body_bytes=options.max_request_bytes,
-        chat=_chat_settings(options),
+        chat_settings=_chat_settings(options),
     )
     server_config = uvicorn.Config(
         app,

@@ -29,13 +29,13 @@ def create_app(
     api_key: str | None = None,
     admission: AdmissionLimit | None = None,
     max_body_bytes: int = 8 * 2**20,
-    chat: ChatSettings | None = None,
+    chat_settings: ChatSettings | None = None,
 ) -> FastAPI:
     """`admission`: how many requests may run or wait at once (share it with a gRPC server on
     the same engine); None admits every request."""
     app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None, openapi_url=None)
     limits = ServerLimits(api_key, admission, max_body_bytes)
-    app.state.server = ServerState(served_model_name, limits, chat)
+    app.state.server = ServerState(served_model_name, limits, chat_settings)
     if async_engine is not None:
         attach_engine(app, async_engine)
     install_error_handlers(app)

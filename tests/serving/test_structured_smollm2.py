@@ -5,7 +5,8 @@ regex answers fullmatch, choices are among the choices, a Lark arithmetic gramma
 parse with `lark`, streamed answers equal the non-streamed ones under greedy sampling, tool
 calls with tool_choice required and named validate against their tool's schema and stream
 into the same calls (the client's own stream helper joins them), a conversation with a tool
-result continues, and bad grammars are 400s naming the problem while free requests finish.
+result continues, and bad grammars are 400s naming the problem while free requests finish (the compile
+timeout's 400 is tested on the engine: tests/engine/test_structured.py).
 One server (Hermes tools, 8 sequences a step); requests go concurrently, answers are short."""
 
 from __future__ import annotations
@@ -119,9 +120,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
     )
     log = tmp_path_factory.mktemp("logs") / "smollm2-structured.log"
     extra = ["--served-model-name", MODEL, "--max-num-seqs", "8"]
-    extra += ["--max-num-batched-tokens", "64", "--kv-cache-memory", "64MiB"]
+    extra += ["--max-num-batched-tokens", "64", "--kv-cache-memory", "256MiB"]
+    extra += ["--max-model-len", "768"]  # the tools' listing makes long prompts
     extra += ["--chat-template", "hermes", "--tool-call-parser", "hermes"]
-    extra += ["--grammar-compile-timeout", "1"]
     with running_server(MODEL, cache, log, *extra) as running:  # type: ignore[arg-type]
         yield running
 
@@ -131,8 +132,13 @@ def client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=600)
 
 
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
+@pytest.fixture(scope="module")
+def run(client):
+    """Runs a coroutine on the module's one event loop (the client's connections live on it)."""
+    loop = asyncio.new_event_loop()
+    yield loop.run_until_complete
+    loop.run_until_complete(client.close())
+    loop.close()
 
 
 async def chat(client: openai.AsyncOpenAI, content: str, **kwargs: Any) -> Any:
@@ -146,7 +152,7 @@ def json_format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
-def test_json_schemas_validate(client) -> None:
+def test_json_schemas_validate(client, run) -> None:
     """Every schema's answer parses and validates; the three API spellings are used in turn."""
 
     def request(i: int, what: str, schema: dict[str, Any]) -> Any:
@@ -168,7 +174,7 @@ def test_json_schemas_validate(client) -> None:
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
-def test_regex_choice_grammar_and_json_object(client) -> None:
+def test_regex_choice_and_grammar(client, run) -> None:
     regexes = [r"[A-Z][a-z]{2,8}", r"\d{3}-\d{4}", r"(yes|no), because [a-z ]{5,20}\."]
     choices = [["Paris", "London", "Rome"], ["positive", "negative", "neutral"]]
 
@@ -177,7 +183,6 @@ def test_regex_choice_grammar_and_json_object(client) -> None:
             *(chat(client, "Answer briefly.", extra_body={"guided_regex": r}) for r in regexes),
             *(chat(client, "Pick one.", extra_body={"structured_outputs": {"choice": c}}) for c in choices),
             chat(client, "Write an arithmetic expression.", extra_body={"guided_grammar": ARITHMETIC}),
-            chat(client, "Give me a JSON object.", response_format={"type": "json_object"}),
         )  # fmt: skip
 
     answers = [a.choices[0].message.content for a in run(all_of_them())]
@@ -185,11 +190,10 @@ def test_regex_choice_grammar_and_json_object(client) -> None:
         assert re.fullmatch(regex, text), (regex, text)
     for options, text in zip(choices, answers[len(regexes) :], strict=False):
         assert text in options
-    lark.Lark(ARITHMETIC).parse(answers[-2])
-    assert isinstance(json.loads(answers[-1]), dict)
+    lark.Lark(ARITHMETIC).parse(answers[-1])
 
 
-def test_streamed_equals_non_streamed(client) -> None:
+def test_streamed_equals_non_streamed(client, run) -> None:
     cases = [
         {"response_format": json_format(SCHEMAS[0][1])},
         {"response_format": json_format(SCHEMAS[10][1])},
@@ -214,7 +218,7 @@ def tool_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("tools", "question"), TOOL_SETS)
-def test_tool_calls_required_and_named(client, tools, question) -> None:
+def test_tool_calls_required_and_named(client, run, tools, question) -> None:
     """tool_choice required and named: calls whose arguments validate against the tool's
     schema; the client's stream helper rebuilds the same calls from the streamed deltas."""
     named = {"type": "function", "function": {"name": tools[-1]["function"]["name"]}}
@@ -244,7 +248,7 @@ def test_tool_calls_required_and_named(client, tools, question) -> None:
         assert all(c.id and c.type == "function" for c in rebuilt)
 
 
-def test_conversation_with_a_tool_result_continues(client) -> None:
+def test_conversation_with_a_tool_result_continues(client, run) -> None:
     """The call, then the tool's result in a `tool` message: the model answers in text, and
     the prompt it answered holds the call and the result (more prompt tokens)."""
     question = [{"role": "user", "content": "What is the weather like in Paris?"}]
@@ -272,11 +276,9 @@ def test_conversation_with_a_tool_result_continues(client) -> None:
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10
 
 
-def test_bad_grammars_are_400s_while_free_requests_finish(client) -> None:
-    slow = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"^[a-z]{{{i}}}[0-9]{{2,{i + 40}}}(x|y){{1,{i}}}$"} for i in range(1, 600)}}  # fmt: skip
+def test_bad_grammars_are_400s_while_free_requests_finish(client, run) -> None:
     bad = [
         ({"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "JSON schema"),
-        ({"guided_json": slow}, "did not compile within 1 s"),
         ({"guided_regex": "[a&&b]"}, "matches no output"),
     ]
 
