@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llguidance import LLMatcher, StructTag, grammar_from
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 from engine.errors import InvalidRequestError
 
 # JSON is generated compactly: no whitespace between tokens, so a small model cannot pad its
 # answer with newlines until max_tokens.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
