@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: 512 + max tokens")
     parser.add_argument("--write-results", action="store_true")
     args = parser.parse_args()
 
@@ -122,7 +123,7 @@ def main() -> None:
             scheduler=SchedulerConfig(
                 max_num_seqs=args.concurrency,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=512 + args.max_tokens,
+                max_model_len=args.max_model_len or 512 + args.max_tokens,
             ),
             compilation=CompilationConfig(cache_dir=DEFAULT_CACHE_DIR),  # reruns skip compiling
         )
