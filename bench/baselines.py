@@ -74,7 +74,15 @@ def install_llama_server() -> None:
     sdist_dir.mkdir(parents=True, exist_ok=True)
     if not list(sdist_dir.glob("llama_cpp_python-*.tar.gz")):
         pin = f"llama-cpp-python=={LLAMACPP_PYTHON_VERSION}"
-        download = ["download", "--no-deps", "--no-binary", "llama-cpp-python", "-d", str(sdist_dir), pin]
+        download = [
+            "download",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-python",
+            "-d",
+            str(sdist_dir),
+            pin,
+        ]
         subprocess.run([sys.executable, "-m", "pip", *download], check=True)
     sdist = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))[-1]
     subprocess.run(["tar", "-xzf", sdist, "-C", sdist_dir], check=True)

@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.kv_cache import KVCacheManager
 from engine.request import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, Request
-from engine.sampling import SamplingTensors
+from engine.sampling import SamplingTensors, bitmask_words
 from engine.scheduler import SchedulerOutput
 from engine.step import StepInput
 
@@ -47,10 +47,17 @@ class BatchShapes:
     seq_buckets: tuple[int, ...]
     pages_per_seq: int  # P: page-table width, enough for max_model_len
     penalty_len: int  # prompt/output id lists for penalties are padded to this
+    vocab_size: int | None = None  # V, for the token bitmask; None: batches carry none
 
     @classmethod
     def create(
-        cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, page_size: int
+        cls,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        page_size: int,
+        vocab_size: int | None = None,
     ) -> BatchShapes:
         return cls(
             token_buckets=power_of_two_buckets(
@@ -59,6 +66,7 @@ class BatchShapes:
             seq_buckets=power_of_two_buckets(1, max_num_seqs),
             pages_per_seq=-(-max_model_len // page_size),
             penalty_len=max_model_len,
+            vocab_size=vocab_size,
         )
 
     def all_pairs(self) -> list[tuple[int, int]]:
@@ -82,7 +90,11 @@ class BatchBuilder:
             self.shapes.seq_buckets[-1],
             self.shapes.pages_per_seq,
         )
+        vocab = self.shapes.vocab_size
+        words = 0 if vocab is None else bitmask_words(vocab)
         return {
+            # All ones as built; structured output's matchers fill their rows (ModelRunner).
+            "token_bitmask": np.full((s, words), -1, np.int32),
             "token_ids": np.zeros(t, np.int32),
             "positions": np.zeros(t, np.int32),
             "slot_mapping": np.full(t, -1, np.int32),
@@ -158,7 +170,14 @@ class BatchBuilder:
             next_token_ids=next_ids[:t],
             sampling=self._sampling(out, s, penalties=penalties),
             lora_slots=lora_slots[:t],
+            token_bitmask=self._bitmask(buf["token_bitmask"], s),
         )
+
+    def _bitmask(self, buffer: np.ndarray, s: int) -> np.ndarray | None:
+        if self.shapes.vocab_size is None:
+            return None
+        buffer[:s] = -1  # the last batch in this buffer may have had constrained rows
+        return buffer[:s]
 
     def _sampling(self, out: SchedulerOutput, s: int, *, penalties: bool) -> SamplingTensors:
         requests = [scheduled.request for scheduled in out.scheduled]

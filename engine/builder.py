@@ -21,6 +21,7 @@ from engine.data_parallel import DataParallelEngine
 from engine.errors import XlaserveError
 from engine.llm_engine import LLMEngine
 from engine.protocol import Engine
+from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import Tokenizer, load_tokenizer
 from engine.weights import Checkpoint, open_checkpoint, resolve_model
 from sharding import multihost
@@ -89,10 +90,13 @@ def _engines(
     multi = jax.process_count() > 1
     # Replicas and followers must hold every step before the first one runs.
     warm_up = config.compilation.warm_up == "eager" or multi or layout.num_replicas > 1
+    grammars = GrammarCompiler(tokenizer, checkpoint.cfg.vocab_size, config.structured)
+    grammars.prepare()
     engine = functools.partial(
         LLMEngine,
         checkpoint.cfg,
         tokenizer=tokenizer,
+        grammars=grammars,
         cache_config=config.cache,
         scheduler_config=config.scheduler,
         attention_impl=config.compilation.attention_impl,

@@ -19,6 +19,7 @@ from engine.batch import BatchBuilder, BatchShapes, sampling_tensors
 from engine.models.layers import Params
 from engine.models.lora import LoRAInputs
 from engine.request import MAX_LOGPROBS
+from engine.sampling import bitmask_words
 from engine.scheduler import SchedulerOutput
 from engine.step import (
     ForwardOutput,
@@ -146,10 +147,12 @@ class CompiledStep:
 
     def _lower_sample(self, s: int, penalties: bool) -> Any:
         penalty_len = self.shapes.penalty_len if penalties else 0
+        bitmask = np.zeros((s, bitmask_words(self.options.cfg.vocab_size)), np.int32)
         return self._jits[1].lower(
             self._forward_info(seqs=s).logits,
             jax.tree.map(self._like, sampling_tensors([], s, penalty_len)),
             self._like(np.bool_(True)),
+            self._like(bitmask),
             apply_penalties=penalties,
             num_top_logprobs=MAX_LOGPROBS,
         )

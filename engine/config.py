@@ -229,6 +229,25 @@ WARM_UP_MODES = ("eager", "background", "lazy")
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Grammar compilation for structured output (engine/structured): compiled grammars kept
+    (least recently used dropped first), how long a request waits for its grammar before it is
+    refused, and the worker threads that compile them (the engine loop never waits)."""
+
+    cache_size: int = 256
+    compile_timeout_s: float = 10.0
+    compile_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.cache_size < 1:
+            raise ValueError(f"grammar cache_size must be >= 1, got {self.cache_size}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+        if self.compile_threads < 1:
+            raise ValueError(f"compile_threads must be >= 1, got {self.compile_threads}")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the engine spans devices and processes: a sharding layout (mesh axes and the table
     from logical axes to them; `--tensor/pipeline/data-parallel-size` are named layouts), and,
@@ -310,6 +329,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     lora: LoRAConfig | None = None  # None: no adapters (--enable-lora off)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

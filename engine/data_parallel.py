@@ -9,11 +9,13 @@ Host code: the replicas' `LLMEngine`s own the device work.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.protocol import EngineStats, Health, ModelInfo
 from engine.request import RequestOutput, SamplingParams
+from engine.structured.spec import StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 
@@ -57,6 +59,9 @@ class DataParallelEngine:
 
     def list_loras(self) -> list[str]:
         return []
+
+    def compile_grammar(self, spec: StructuredOutputs) -> Future[None]:
+        return self.replicas[0].compile_grammar(spec)  # the replicas share one compiler
 
     def abort_request(self, request_id: str) -> None:
         replica = self._owner.pop(request_id, None)

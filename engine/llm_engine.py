@@ -9,6 +9,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from engine.config import (
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputConfig,
 )
 from engine.errors import InvalidRequestError, XlaserveError
 from engine.kv_cache import KVCacheManager, describe_kv_cache
@@ -42,6 +44,9 @@ from engine.request import (
 from engine.sampling import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step import StepOutput
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.matchers import GrammarMatchers, GrammarState
+from engine.structured.spec import StructuredOutputs
 from engine.tokenizer import Tokenizer
 from sharding.layout import ShardingLayout
 
@@ -99,9 +104,12 @@ class LLMEngine:
         mesh: Mesh | None = None,
         layout: ShardingLayout | None = None,
         lora_config: LoRAConfig | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         """`mesh`: a device mesh to shard the model over as `layout` says (`sharding.mesh`).
-        `lora_config`: serve LoRA adapters (engine/lora.py) next to the base model."""
+        `lora_config`: serve LoRA adapters (engine/lora.py) next to the base model.
+        `grammars`: the structured-output compiler (data-parallel replicas share one); None:
+        one of this engine's own, with the default StructuredOutputConfig."""
         if lora_config is not None and cfg.architecture != "llama":
             raise XlaserveError(f"LoRA adapters are not supported for {cfg.architecture} models")
         self.cfg = cfg
@@ -142,6 +150,8 @@ class LLMEngine:
             for name, path in lora_config.modules:
                 self.loras.add(name, path)
             self.scheduler.adapter_ready = self._adapter_ready
+        grammars = grammars or GrammarCompiler(tokenizer, cfg.vocab_size, StructuredOutputConfig())
+        self.grammars = GrammarMatchers(grammars)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
         self.counters = _Counters()
@@ -201,10 +211,14 @@ class LLMEngine:
     def warm_up_step(self) -> bool:
         return self.runner.warm_up_one()
 
+    def compile_grammar(self, spec: StructuredOutputs) -> Future[None]:
+        return self.grammars.compiler.compile(spec)
+
     def on_close(self, callback: Callable[[], None]) -> None:
         self._on_close.append(callback)
 
     def close(self) -> None:
+        self.grammars.compiler.close()
         while self._on_close:
             self._on_close.pop()()
 
@@ -231,7 +245,13 @@ class LLMEngine:
         children = [self._child(request_id, i, ids, params, priority) for i in range(params.n)]
         for child in children:
             child.lora_name = lora_name
-        self.scheduler.add_request(children[0])  # raises if the request can never fit
+        self._add_grammars(children, params.structured_outputs)
+        try:
+            self.scheduler.add_request(children[0])  # raises if the request can never fit
+        except BaseException:
+            for child in children:
+                self.grammars.remove(child.request_id)
+            raise
         outputs = [
             SequenceOutput(self.tokenizer, params, self.scheduler_config.model_len)
             for _ in children
@@ -241,6 +261,14 @@ class LLMEngine:
         for i, child in enumerate(children):
             self._child_parent[child.request_id] = (parent, i)
         self.counters.num_prompt_tokens += len(ids)
+
+    def _add_grammars(self, children: list[Request], spec: StructuredOutputs | None) -> None:
+        """A matcher for each sequence of a constrained request (raises InvalidRequestError
+        for a grammar that does not compile; a server compiled it already, off this thread)."""
+        if spec is None:
+            return
+        for child in children:
+            self.grammars.add(child.request_id, spec)
 
     def _child(
         self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int
@@ -296,6 +324,7 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.abort(child.request_id)
             self._child_parent.pop(child.request_id, None)
+            self.grammars.remove(child.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -323,7 +352,7 @@ class LLMEngine:
             logprobs=any(p.logprobs is not None for p in params),
             prompt_logprobs=any(p.prompt_logprobs is not None for p in params),
         )
-        pending = self.runner.dispatch(out, self.kv_cache, options)
+        pending = self.runner.dispatch(out, self.kv_cache, options, self.grammars.filler(out))
         # While the device computes: bookkeeping that needs the schedule but not the tokens
         # (computed counts, prefix-cache hashes of the pages this step fills).
         completed = self.scheduler.update_after_step(out)
@@ -357,6 +386,9 @@ class LLMEngine:
                     self.scheduler.add_request(sibling)
                 parent.pending.clear()
             decision = parent.outputs[index].append(request, token)
+            grammar = self.grammars.advance(request.request_id, token)
+            if decision is None and grammar in (GrammarState.DONE, GrammarState.ERROR):
+                decision = parent.outputs[index].grammar_done()
             if decision is not None:
                 self._finish(parent, index, decision)
             progressed.setdefault(parent.request_id, (parent, []))[1].append(index)
@@ -367,6 +399,7 @@ class LLMEngine:
         child = parent.children[index]
         child.stop_reason = decision.stop_reason
         self.scheduler.finish(child, decision.reason)
+        self.grammars.remove(child.request_id)
         parent.finished.add(index)
 
     def _request_output(self, parent: _Parent, indices: list[int]) -> RequestOutput:

@@ -6,6 +6,7 @@ Boundary code: the only place (with the loaders) that moves arrays between host 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +34,9 @@ from sharding.multihost import put_replicated
 from sharding.rules import ShardingPlan
 
 log = logging.getLogger(__name__)
+
+# Writes the constrained rows of a batch's token bitmask, i32[S, W], in place.
+FillBitmask = Callable[[np.ndarray], None]
 
 
 def _platform() -> str:
@@ -128,6 +132,7 @@ class ModelRunner:
             max_num_seqs=scheduler_config.max_num_seqs,
             max_model_len=scheduler_config.model_len,
             page_size=cache_config.page_size,
+            vocab_size=cfg.vocab_size,
         )
         self.builder = BatchBuilder(self.shapes, cache_config.page_size, eos_token_ids)
         self.compiled = CompiledStep(
@@ -247,29 +252,43 @@ class ModelRunner:
         out: SchedulerOutput,
         kv_manager: kv_cache.KVCacheManager,
         options: StepOptions,
+        fill_bitmask: FillBitmask | None = None,
     ) -> StepOutput:
         """Starts one step and returns at once; its outputs are device arrays still being
         computed (`fetch` waits for them), so the host can work in the meantime."""
         batch = self.builder.build(out, kv_manager, penalties=options.apply_penalties)
-        return self.run_batch(batch, options)
+        return self.run_batch(batch, options, fill_bitmask)
 
-    def run_batch(self, batch: StepInput, options: StepOptions) -> StepOutput:
+    def run_batch(
+        self, batch: StepInput, options: StepOptions, fill_bitmask: FillBitmask | None = None
+    ) -> StepOutput:
         """Starts the step on a built (NumPy) batch: the forward, the sampling tail, and prompt
-        logprobs when `options` ask for them."""
+        logprobs when `options` ask for them.
+
+        `fill_bitmask` writes the constrained rows of the batch's token bitmask (structured
+        output). It runs after the forward is dispatched, so the host computes the masks while
+        the device computes the logits; only the sampling tail waits for them. (With followers
+        it runs first: they are sent the whole batch.)"""
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
         forward = self.compiled.get(Variant("forward", tokens=t, seqs=s))
         sample = self.compiled.get(Variant("sample", seqs=s, penalties=options.apply_penalties))
         wants_prompt = options.num_prompt_logprobs is not None
         prompt = self.compiled.get(Variant("prompt_logprobs", tokens=t)) if wants_prompt else None
         if self.before_step is not None:
+            if fill_bitmask is not None:
+                fill_bitmask(batch.token_bitmask)
+                fill_bitmask = None
             self.before_step(batch, options)
-        placed, want_logprobs = self._put((batch, np.bool_(options.num_top_logprobs > 0)))
+        host = dataclasses.replace(batch, token_bitmask=None)  # sent once it is filled
+        placed, want_logprobs = self._put((host, np.bool_(options.num_top_logprobs > 0)))
         lora = None if self.lora is None else LoRAInputs(self.lora.weights, placed.lora_slots)
         out, self.kv_caches = forward(
             self.params, self.kv_caches, placed.token_ids, placed.positions,
             attention_metadata(placed), placed.logits_indices, lora,
         )  # fmt: skip
-        sampled = sample(out.logits, placed.sampling, want_logprobs)
+        if fill_bitmask is not None:
+            fill_bitmask(batch.token_bitmask)
+        sampled = sample(out.logits, placed.sampling, want_logprobs, self._put(batch.token_bitmask))
         prompt_out = None
         if prompt is not None:
             prompt_out = prompt(self.params, out.hidden, placed.next_token_ids)

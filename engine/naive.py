@@ -7,7 +7,7 @@ engine is tested against.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -104,8 +104,11 @@ def generate(
     sampling: NaiveSampling,
     *,
     stop_ids: Sequence[int] = (),
+    logits_processor: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> Iterator[int]:
-    """Yields new token ids one by one until max_tokens or a stop id (which is yielded)."""
+    """Yields new token ids one by one until max_tokens or a stop id (which is yielded).
+    `logits_processor` changes each step's logits f32[V] before sampling (a host-side
+    constraint, e.g. a grammar's mask)."""
     if not prompt_ids:
         raise InvalidRequestError("prompt must contain at least one token")
     total = len(prompt_ids) + sampling.max_tokens
@@ -119,6 +122,8 @@ def generate(
     rng = np.random.default_rng(sampling.seed)
     for length in range(len(prompt_ids), total):
         logits = np.asarray(_next_token_logits(params, buffer, np.int32(length), cfg=cfg))
+        if logits_processor is not None:
+            logits = logits_processor(logits)
         token = sample(logits, sampling, rng)
         buffer[length] = token
         yield token

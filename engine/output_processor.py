@@ -63,6 +63,11 @@ class SequenceOutput:
             return StopDecision(FinishReason.LENGTH)
         return None
 
+    def grammar_done(self) -> StopDecision:
+        """The sequence's grammar (structured output) is complete: it stops, as at EOS."""
+        self._unsent += self._detokenizer.flush()
+        return StopDecision(FinishReason.STOP)
+
     def _find_stop_string(self, start: int) -> StopDecision | None:
         hits = [(i, s) for s in self._params.stop if (i := self._unsent.find(s, start)) >= 0]
         if not hits:

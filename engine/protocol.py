@@ -5,16 +5,18 @@ reaches past it.
 
 Threading: `add_request`, `abort_request`, `step` and `warm_up_step` are called from one thread
 (the engine loop's). `stats`, `health` and `model_info` may be called from any thread: they read
-plain numbers.
+plain numbers; so may `compile_grammar`, which hands the work to the engine's compiler threads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
 from engine.request import RequestOutput, SamplingParams
+from engine.structured.spec import StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 
@@ -99,6 +101,12 @@ class Engine(Protocol):
 
     def abort_request(self, request_id: str) -> None:
         """Drops a request (unknown ids are ignored); its pages are freed."""
+        ...
+
+    def compile_grammar(self, spec: StructuredOutputs) -> Future[None]:
+        """Compiles a structured-output grammar on the engine's compiler threads (or finds it
+        compiled), so that `add_request` with it need not wait. The future fails with
+        InvalidRequestError naming the problem, or the compile timeout."""
         ...
 
     def has_unfinished_requests(self) -> bool: ...

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured.spec import StructuredOutputs
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
@@ -42,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs of each sampled token (0: just the token's)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # what the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string given where a sequence is expected

@@ -12,6 +12,8 @@ Processing order, per row, in `sample`:
    positive logit is divided by the penalty, a negative one multiplied), then frequency and
    presence (OpenAI: over output tokens only,
    `logit -= frequency * count + presence * (count > 0)`);
+2b. the token bitmask of structured output (`token_bitmask`), when given: tokens whose bit is
+   0 get -inf, so no bias or penalty brings back a token the grammar forbids;
 3. greedy rows (temperature 0) take the argmax here, whatever their other parameters;
 4. temperature (greedy rows divide by 1, so they never make NaN);
 5. top-k, then top-p over what top-k kept (renormalised), then min-p: all three are cut-offs
@@ -228,6 +230,26 @@ def argmax(x: jax.Array, block: int = 128) -> jax.Array:  # f32[S, V] -> i32[S]
     return (first * block + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """Width W of a packed token bitmask: 32 tokens to an int32 word."""
+    return -(-vocab_size // 32)
+
+
+def apply_token_bitmask(
+    logits: jax.Array,  # f32[S, V]
+    token_bitmask: HostOrDeviceArray,  # i32[S, W]; all bits set (-1) for a free row
+) -> jax.Array:  # f32[S, V]
+    """-inf where a token's bit is 0. llguidance's packing: token v is bit v % 32 of word
+    v // 32 (bits past V are ignored)."""
+    num_rows, vocab = logits.shape
+    if token_bitmask.shape != (num_rows, bitmask_words(vocab)):
+        raise ValueError(f"{token_bitmask.shape=} must be ({num_rows}, {bitmask_words(vocab)})")
+    shifts = jnp.arange(32, dtype=jnp.int32)  # i32[32]
+    bits = (token_bitmask[:, :, None] >> shifts) & 1  # i32[S, W, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0  # bool[S, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _row_keys(seeds: HostOrDeviceArray, output_index: HostOrDeviceArray) -> jax.Array:  # -> key[S]
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, output_index)
 
@@ -277,6 +299,7 @@ def sample(
     apply_penalties: bool,
     num_top_logprobs: int,
     logprobs: bool = True,
+    token_bitmask: HostOrDeviceArray | None = None,
 ) -> SamplerOutput:
     """Sample one token per row; see the module docstring for the order of processing.
 
@@ -290,6 +313,7 @@ def sample(
       logprobs: static; when False (no request in the batch asked for logprobs), the
         normalizer over the vocabulary is not computed, `logprobs` are zeros and K must be 0.
         On CPU that pass took half as long as the output layer's product (128 rows).
+      token_bitmask: i32[S, W] packed allowed tokens (structured output), or None: all allowed.
 
     Returns:
       SamplerOutput with token_ids i32[S], logprobs f32[S], top_ids i32[S, K] and
@@ -301,6 +325,8 @@ def sample(
     logits = logits.astype(jnp.float32)
     with jax.named_scope("logits_processing"):
         processed = processed_logits(logits, t, apply_penalties=apply_penalties)
+        if token_bitmask is not None:
+            processed = apply_token_bitmask(processed, token_bitmask)
     with jax.named_scope("draw"):
         token_ids = _sample_rows(processed, t)
     if not logprobs:

@@ -48,6 +48,9 @@ class StepInput:
     next_token_ids: Any  # i32[T]; for prompt logprobs: the prompt token after each, or -1
     sampling: sampling.SamplingTensors
     lora_slots: Any = None  # i32[T]; each token's adapter slot (0: the base model, padding)
+    # i32[S, W]: each sequence's allowed next tokens, packed (structured output; -1: any);
+    # None in batches built without a vocabulary size (they sample unconstrained).
+    token_bitmask: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -159,17 +162,20 @@ def sample_step(
     logits: jax.Array,  # f32[S, V]
     t: sampling.SamplingTensors,
     want_logprobs: jax.Array,  # bool[]: some sequence of the batch asked for logprobs
+    token_bitmask: jax.Array | None = None,  # i32[S, W]; all bits set for free rows
     *,
     apply_penalties: bool,
     num_top_logprobs: int,
 ) -> sampling.SamplerOutput:
-    """The sampling tail: one token per sequence, and its logprob with the top
-    `num_top_logprobs` alternatives when `want_logprobs` (a runtime branch: zeros otherwise,
-    and the pass over the vocabulary is skipped). Penalties are static because they change the
-    shapes of `t` (the prompt and output id lists)."""
+    """The sampling tail: one token per sequence, among those `token_bitmask` allows, and its
+    logprob with the top `num_top_logprobs` alternatives when `want_logprobs` (a runtime
+    branch: zeros otherwise, and the pass over the vocabulary is skipped). Penalties are static
+    because they change the shapes of `t` (the prompt and output id lists); the bitmask is an
+    input, so a batch that mixes constrained and free sequences compiles nothing new."""
     sampled = sampling.sample(
-        logits, t, apply_penalties=apply_penalties, num_top_logprobs=0, logprobs=False
-    )
+        logits, t, apply_penalties=apply_penalties, num_top_logprobs=0, logprobs=False,
+        token_bitmask=token_bitmask,
+    )  # fmt: skip
     if num_top_logprobs == 0:
         return sampled
     num_rows = logits.shape[0]
@@ -215,6 +221,7 @@ def step(
         out.logits,
         batch.sampling,
         jnp.asarray(options.num_top_logprobs > 0),
+        batch.token_bitmask,
         apply_penalties=options.apply_penalties,
         num_top_logprobs=options.num_top_logprobs,
     )

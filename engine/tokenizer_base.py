@@ -76,6 +76,12 @@ class Tokenizer(ABC):
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """The vocabulary entries (pieces) of `ids`, as the vocabulary spells them."""
 
+    @abstractmethod
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for, by id (`vocab_size` entries): what it adds to the
+        output as raw UTF-8 (a leading space included; a byte-fallback piece is its one byte),
+        and for an added token its text. Grammar engines (engine/structured) match on these."""
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with BOS/EOS as the model config asks if `add_special_tokens`."""
         ids = self._encode_text(text)
@@ -201,6 +207,13 @@ class SentencePieceTokenizer(Tokenizer):
         added = self._added
         return [self._sp.id_to_piece(i) if i < self._sp_size else added[i][0] for i in ids]
 
+    def token_bytes(self) -> list[bytes]:
+        pieces = self.convert_ids_to_tokens(range(self.vocab_size))
+        return [
+            piece.encode() if i in self._added else _sentencepiece_bytes(piece)
+            for i, piece in enumerate(pieces)
+        ]
+
 
 class HFTokenizer(Tokenizer):
     """An HF `tokenizers` tokenizer; its added tokens are matched in text by the library."""
@@ -225,6 +238,16 @@ class HFTokenizer(Tokenizer):
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         return [self._tokenizer.id_to_token(i) or "" for i in ids]
+
+    def token_bytes(self) -> list[bytes]:
+        added = self._tokenizer.get_added_tokens_decoder()
+        decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+        spell = _byte_level_bytes if _has_decoder(decoder, "ByteLevel") else _sentencepiece_bytes
+        pieces = self.convert_ids_to_tokens(range(self.vocab_size))
+        return [
+            added[i].content.encode() if i in added else spell(piece)
+            for i, piece in enumerate(pieces)
+        ]
 
     def _save_model(self, directory: Path) -> dict[str, Any]:
         self._tokenizer.save(str(directory / "tokenizer.json"))
@@ -406,3 +429,39 @@ def _piece(proto: Any, index: int) -> str | None:
 def _one_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
+
+
+# ---- token bytes -----------------------------------------------------------------------------
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    """A SentencePiece-style piece: `<0xAB>` is that byte (byte fallback), `▁` a space."""
+    byte = _BYTE_PIECE.fullmatch(piece)
+    if byte:
+        return bytes([int(byte.group(1), 16)])
+    return piece.replace("\u2581", " ").encode()
+
+
+def _gpt2_byte_of_char() -> dict[str, int]:
+    """GPT-2's byte alphabet, inverted: printable bytes stand for themselves, the rest for
+    chars from U+0100 on."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_of_char()
+
+
+def _byte_level_bytes(piece: str) -> bytes:
+    """A byte-level BPE piece (GPT-2's alphabet, one char per byte)."""
+    return bytes(_BYTE_OF_CHAR[c] for c in piece if c in _BYTE_OF_CHAR)
+
+
+def _has_decoder(decoder: dict[str, Any], kind: str) -> bool:
+    """Whether a tokenizer.json decoder is `kind` or a Sequence holding one."""
+    if decoder.get("type") == kind:
+        return True
+    return any(_has_decoder(d, kind) for d in decoder.get("decoders") or [])

@@ -120,10 +120,14 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's deltas (what each step added); the last has `finished` set.
 
-        Raises InvalidRequestError for a request that can't be served, and EngineDeadError if
-        the engine loop is gone. Closing the iterator early (a client that went away) aborts
+        Raises InvalidRequestError for a request that can't be served (a structured-output
+        grammar that does not compile in time among them: it compiles on the engine's compiler
+        threads while this waits, never on the engine loop), and EngineDeadError if the engine
+        loop is gone. Closing the iterator early (a client that went away) aborts
         the request, which frees its pages within one engine step.
         """
+        if params.structured_outputs is not None:
+            await asyncio.wrap_future(self.engine.compile_grammar(params.structured_outputs))
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted: asyncio.Future[None] = loop.create_future()

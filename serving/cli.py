@@ -12,6 +12,8 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import (
     DEFAULT_MAX_MODEL_LEN,
@@ -25,6 +27,7 @@ from engine.config import (
     ParallelConfig,
     QuantizationConfig,
     SchedulerConfig,
+    StructuredOutputConfig,
 )
 from engine.errors import XlaserveError
 from sharding.layout import ShardingLayout
@@ -34,6 +37,9 @@ DEFAULT_CACHE_DIR = os.path.join(
     os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "xlaserve", "xla"
 )
 log = logging.getLogger("xlaserve")
+
+if TYPE_CHECKING:
+    from engine.structured.spec import StructuredOutputs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--json-schema",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="constrain the answer to JSON that validates against the schema in FILE",
+    )
     gen.add_argument(
         "--max-model-len",
         type=_positive_int,
@@ -169,6 +182,32 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         help="background: answer once the weights are loaded and compile the step variants while "
         "idle (a variant a request needs first is compiled on the spot); eager: compile them all "
         "before answering (multi-process and data-parallel engines always do)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template for /v1/chat/completions instead of the model's: a jinja file, or "
+        "one shipped with tools: hermes (ChatML, for SmolLM2), gemma3_pythonic (Gemma 3)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "pythonic"),
+        default=None,
+        help="how tool calls are written in the model's answers (and enforced for tool_choice "
+        "required or a named function); without it, requests with tools are refused",
+    )
+    serve.add_argument(
+        "--grammar-compile-timeout",
+        type=_positive_float,
+        default=10.0,
+        help="seconds a structured-output request waits for its grammar (JSON schema, regex, "
+        "...) to compile before it is refused with a 400",
+    )
+    serve.add_argument(
+        "--grammar-cache-size",
+        type=_positive_int,
+        default=256,
+        help="compiled structured-output grammars kept (least recently used dropped first)",
     )
     _add_parallel_args(serve)
     _add_lora_args(serve)
@@ -283,6 +322,8 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         step_timeout=args.step_timeout,
         verbose=args.verbose,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
     )
     return run_serve(serve_config(args), options)
 
@@ -309,6 +350,9 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
         ),
         warm_up=args.warm_up,
         lora=lambda: lora_config(args),
+        structured=StructuredOutputConfig(
+            cache_size=args.grammar_cache_size, compile_timeout_s=args.grammar_compile_timeout
+        ),
     )
 
 
@@ -341,6 +385,7 @@ def _engine_config(
     parallel: Callable[[], ParallelConfig],
     warm_up: str,
     lora: Callable[[], LoRAConfig | None] = lambda: None,
+    structured: StructuredOutputConfig | None = None,
 ) -> EngineConfig:
     """The flags as one EngineConfig; a value the config refuses is a one-line error."""
     try:
@@ -355,6 +400,7 @@ def _engine_config(
                 cache_dir=args.compilation_cache_dir or None, warm_up=warm_up
             ),
             lora=lora(),
+            structured=structured or StructuredOutputConfig(),
         )
     except (ValueError, OSError) as e:
         raise XlaserveError(str(e)) from e
@@ -490,7 +536,11 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(args.prompt)
 
     sampling = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        structured_outputs=_json_schema(args.json_schema),
     )
     engine.add_request("cli", prompt_ids, sampling)
     while engine.has_unfinished_requests():
@@ -499,6 +549,17 @@ def _generate(args: argparse.Namespace) -> int:
                 print(choice.text, end="", flush=True)
     print()
     return 0
+
+
+def _json_schema(path: Path | None) -> StructuredOutputs | None:
+    from engine.structured.spec import StructuredOutputs
+
+    if path is None:
+        return None
+    try:
+        return StructuredOutputs.from_schema(path.read_text())
+    except OSError as e:
+        raise XlaserveError(f"--json-schema: cannot read {path}: {e.strerror}") from e
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from engine.errors import XlaserveError
 from serving.admission import AdmissionLimit
 from serving.async_engine import AsyncEngine
 from serving.openai import attach_engine, create_app
+from serving.openai.tool_use import ChatSettings
+from serving.openai.tools import chat_template
 from sharding import multihost
 
 log = logging.getLogger("xlaserve.serve")
@@ -51,6 +53,8 @@ class ServeOptions:
     shutdown_timeout: float = 30.0  # seconds running requests get on SIGTERM or Ctrl-C
     step_timeout: float | None = None  # see AsyncEngine; None: automatic
     verbose: bool = False
+    chat_template: str | None = None  # a shipped template's name or a jinja file
+    tool_call_parser: str | None = None  # hermes, llama3_json, pythonic; None: no tools
 
 
 def run_serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -72,6 +76,7 @@ def run_serve(config: EngineConfig, options: ServeOptions) -> int:
         admission=admission,
         max_body_bytes=options.max_request_bytes,
         allow_lora_updating=config.lora is not None and config.lora.allow_runtime_updating,
+        chat_settings=_chat_settings(options),
     )
     server_config = uvicorn.Config(
         app,
@@ -83,6 +88,14 @@ def run_serve(config: EngineConfig, options: ServeOptions) -> int:
     )
     server = _Server(server_config)
     return asyncio.run(_serve(config, options, app, server, admission))
+
+
+def _chat_settings(options: ServeOptions) -> ChatSettings:
+    try:
+        template = chat_template(options.chat_template) if options.chat_template else None
+        return ChatSettings(template, options.tool_call_parser)
+    except (OSError, ValueError) as e:
+        raise XlaserveError(f"--chat-template / --tool-call-parser: {e}") from e
 
 
 async def _serve(

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from engine.errors import InvalidRequestError
 from engine.request import CompletionOutput, RequestOutput, SamplingParams, Usage
+from engine.structured.spec import StructuredOutputs
 from serving.grpc.stubs import pb2
 
 # SamplingParams fields that are proto3 `optional` scalars: set means given, unset means default.
@@ -64,8 +65,23 @@ def sampling_params_from_proto(message: pb2.SamplingParams) -> SamplingParams:
         values["logit_bias"] = dict(message.logit_bias)
     values["stop"] = tuple(message.stop)
     values["stop_token_ids"] = tuple(message.stop_token_ids)
+    if message.HasField("structured_outputs"):
+        values["structured_outputs"] = structured_outputs_from_proto(message.structured_outputs)
     params = SamplingParams(**values)  # type: ignore[arg-type]
     return params
+
+
+def structured_outputs_from_proto(message: pb2.StructuredOutputs) -> StructuredOutputs:
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequestError(
+            "structured_outputs must set one constraint", param="structured_outputs"
+        )
+    if kind == "json":
+        return StructuredOutputs.from_schema(message.json)
+    if kind == "choice":
+        return StructuredOutputs(choice=tuple(message.choice.choices))
+    return StructuredOutputs(**{kind: getattr(message, kind)})
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:

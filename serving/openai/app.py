@@ -17,6 +17,7 @@ from serving.openai.errors import APIError, BodySizeLimit, install_error_handler
 from serving.openai.metrics import CONTENT_TYPE
 from serving.openai.protocol import DetokenizeRequest, TokenizeRequest
 from serving.openai.state import ReleaseAdmissions, ServerLimits, ServerState
+from serving.openai.tool_use import ChatSettings
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,14 @@ def create_app(
     admission: AdmissionLimit | None = None,
     max_body_bytes: int = 8 * 2**20,
     allow_lora_updating: bool = False,
+    chat_settings: ChatSettings | None = None,
 ) -> FastAPI:
     """`admission`: how many requests may run or wait at once (share it with a gRPC server on
     the same engine); None admits every request. `allow_lora_updating`: serve
     POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key)."""
     app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None, openapi_url=None)
     limits = ServerLimits(api_key, admission, max_body_bytes)
-    app.state.server = ServerState(served_model_name, limits)
+    app.state.server = ServerState(served_model_name, limits, chat_settings)
     if async_engine is not None:
         attach_engine(app, async_engine)
     install_error_handlers(app)
@@ -113,7 +115,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        ids = chat.chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt)
+        ids = chat.chat_prompt_ids(
+            tokenizer, body.messages, body.add_generation_prompt, state.chat.template
+        )
     else:
         ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}

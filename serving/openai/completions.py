@@ -42,6 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     )
     for ids in prompts:
         state.check_prompt(ids, params)
+    await state.compile_grammar(params)
     state.admit(request, len(prompts))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = [

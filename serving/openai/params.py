@@ -1,4 +1,5 @@
-"""OpenAI request fields -> SamplingParams, and the refusals of what is not implemented."""
+"""OpenAI request fields -> SamplingParams (structured output: serving/openai/structured.py),
+and the refusals of what is not implemented."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from engine.errors import InvalidRequestError
 from engine.request import SamplingParams
 from serving.openai.errors import APIError
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from serving.openai.structured import structured_outputs
 
 SEED_RANGE = 2**31  # the engine's seeds are u32 and child i uses seed + i: fold user seeds here
 
@@ -35,6 +37,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
+        structured_outputs=structured_outputs(body),
     )
 
 
@@ -66,14 +69,8 @@ def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.suffix is not None:
             _refuse("suffix", "suffix (insertion) is not supported")
         return
-    for name in ("tools", "tool_choice", "functions"):
-        if getattr(body, name) not in (None, [], "none"):
-            _refuse(name, f"{name}: tool and function calling is not supported")
-    if body.response_format is not None and body.response_format.type != "text":
-        _refuse(
-            "response_format",
-            f"response_format {body.response_format.type!r} is not supported; only 'text'",
-        )
+    if body.functions:
+        _refuse("functions", "functions (deprecated by OpenAI) is not supported; use tools")
     if body.top_logprobs is not None and not body.logprobs:
         _refuse("top_logprobs", "top_logprobs requires logprobs to be true")
 

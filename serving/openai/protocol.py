@@ -46,6 +46,24 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # `json` is BaseModel's
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: `type` and, for json_schema, `json_schema`."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
 class _Sampling(_Body):
     """Parameters shared by completions and chat completions."""
 
@@ -73,6 +91,13 @@ class _Sampling(_Body):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: StrictBool = True
     priority: int = Field(0, ge=-(2**31), lt=2**31)
+    # structured output (serving/openai/structured.py): OpenAI's, and vLLM's two spellings
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -95,24 +120,32 @@ class OtherPart(BaseModel):
     type: str
 
 
+class FunctionCallBody(_Body):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallBody(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     # Only an assistant's message may go without content (OpenAI's rule).
     content: str | list[TextPart | OtherPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     @field_validator("content", mode="after")
     @classmethod
     def _content_given(cls, value: Any, info: ValidationInfo) -> Any:
         role = info.data.get("role")
-        if value is None and role in ("system", "user"):
+        if value is None and role in ("system", "user", "tool"):
             raise ValueError(f"a {role} message must have content")
         return value
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
 
 
 class ChatCompletionRequest(_Sampling):
@@ -123,7 +156,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True
 
 

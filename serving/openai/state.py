@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from serving.admission import Admission, AdmissionLimit
 from serving.async_engine import AsyncEngine, LoopHealth
 from serving.openai.errors import APIError
 from serving.openai.metrics import ServerMetrics
+from serving.openai.tool_use import ChatSettings
 
 LOADING_RETRY_AFTER_S = 5
 _ADMISSIONS = "xlaserve.admissions"  # the ASGI scope's key for a request's admissions
@@ -38,9 +40,12 @@ class ServerState:
     """The app's state. The engine may be attached after the server starts (it answers 503
     "loading" until then), so that /health can report loading."""
 
-    def __init__(self, served_model_name: str, limits: ServerLimits):
+    def __init__(
+        self, served_model_name: str, limits: ServerLimits, chat: ChatSettings | None = None
+    ):
         self.served_model_name = served_model_name
         self.limits = limits
+        self.chat = chat or ChatSettings()
         self.created = int(time.time())
         self.async_engine: AsyncEngine | None = None
         self.metrics = ServerMetrics(self._engine, served_model_name, self._loop_health)
@@ -110,6 +115,14 @@ class ServerState:
         admissions = request.scope.get(_ADMISSIONS)
         assert admissions is not None, "the app must run under ReleaseAdmissions"
         admissions.append(self.limits.admission.admit(num_requests))
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """A structured-output grammar compiled (on the engine's compiler threads) before a
+        stream begins, so that one that fails is a 400 naming the problem."""
+        if params.structured_outputs is not None:
+            async_engine, _ = self.ready()
+            spec = params.structured_outputs
+            await asyncio.wrap_future(async_engine.engine.compile_grammar(spec))
 
     # ---- generation --------------------------------------------------------------------------
 

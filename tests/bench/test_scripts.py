@@ -12,7 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script", ["startup.py", "weights_dtype.py", "host_overhead.py"])
+@pytest.mark.parametrize(
+    "script", ["startup.py", "weights_dtype.py", "host_overhead.py", "structured.py"]
+)
 def test_help(script: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(

@@ -58,6 +58,7 @@ function requestBody() {
     top_p: numberField("top_p"),
     max_tokens: numberField("max_tokens"),
     seed: numberField("seed"),
+    response_format: $("json_mode").checked ? { type: "json_object" } : undefined,
   };
 }
 

@@ -1,0 +1,257 @@
+"""Structured output in the engine, on the tiny random Llama: token bytes against each
+tokenizer's own encoding, the device bitmask against llguidance's NumPy one, a batch mixing
+constrained and free requests against a host-side constrained greedy oracle (the naive model,
+masked by llguidance's own matcher and NumPy helpers) and the unconstrained naive oracle,
+with no compilation after warm-up; bad grammars refused for that request only."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+from llguidance import LLMatcher
+from llguidance.numpy import (
+    allocate_token_bitmask,
+    apply_token_bitmask_inplace,
+    fill_next_token_bitmask,
+)
+
+from engine import naive
+from engine.config import StructuredOutputConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, run_to_completion
+from engine.request import SamplingParams
+from engine.sampling import apply_token_bitmask, bitmask_words
+from engine.structured.compiler import GrammarCompiler, ll_tokenizer
+from engine.structured.spec import StructuredOutputs
+from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.weights import resolve_model
+from tests.engine.tiny_model import EOS_ID
+
+# Bounded schemas (every string, number and array has a limit), so a random model finishes
+# each within MAX_TOKENS byte tokens.
+SCHEMAS: list[dict] = [
+    {"type": "boolean"},
+    {"enum": ["red", "green", "blue"]},
+    {"type": "integer", "minimum": 0, "maximum": 99},
+    {"type": "string", "maxLength": 4},
+    {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    {"const": "fixed"},
+    {"type": "string", "pattern": "^[a-c]{2,3}$"},
+    {"type": "null"},
+    {"enum": [1, 2, 3, "x"]},
+    {"type": "integer", "minimum": -5, "maximum": 5},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2},
+    {"type": "string", "format": "date", "pattern": "^2026-0[1-9]-1[0-9]$"},
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2]}, "s": {"type": "string", "maxLength": 2}},
+        "required": ["n"],
+        "additionalProperties": False,
+    },
+    {
+        "$defs": {"flag": {"type": "boolean"}},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/flag"}, "b": {"$ref": "#/$defs/flag"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+    {"anyOf": [{"type": "boolean"}, {"enum": ["yes", "no"]}]},
+]
+MAX_TOKENS = 40
+
+
+def greedy(spec: StructuredOutputs | None = None, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):
+    ids = [f"s-{i}-{random.random()}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(request_id, prompt, p)
+    return run_to_completion(engine, ids)
+
+
+def constrained_oracle(tiny, prompt: list[int], spec: StructuredOutputs, max_tokens: int):
+    """Greedy decoding by the naive model, its logits masked on the host by a matcher of
+    llguidance's own (NumPy helpers), until EOS, the grammar's end or max_tokens."""
+    cfg, params, tokenizer = tiny
+    matcher = LLMatcher(ll_tokenizer(tokenizer, cfg.vocab_size), spec.to_grammar(), log_level=0)
+    mask = allocate_token_bitmask(1, cfg.vocab_size)
+
+    def constrain(logits: np.ndarray) -> np.ndarray:
+        fill_next_token_bitmask(matcher, mask)
+        masked = np.array(logits, np.float32)[None]
+        apply_token_bitmask_inplace(masked, mask)
+        return masked[0]
+
+    tokens = []
+    sampling = naive.NaiveSampling(max_tokens=max_tokens)
+    for token in naive.generate(params, cfg, prompt, sampling, logits_processor=constrain):
+        tokens.append(token)
+        assert matcher.consume_token(token)
+        if token == EOS_ID or matcher.is_stopped():
+            break
+    return tokens
+
+
+def free_oracle(tiny, prompt: list[int], max_tokens: int) -> list[int]:
+    cfg, params, _ = tiny
+    sampling = naive.NaiveSampling(max_tokens=max_tokens)
+    return list(naive.generate(params, cfg, prompt, sampling, stop_ids=[EOS_ID]))
+
+
+# ---- token bytes ---------------------------------------------------------------------------
+
+
+TEXTS = ["Hello, world!", " leading space\tand tab\n", "naïve café — 東京 🎉", '{"a": [1, 2]}']
+
+
+@pytest.fixture(scope="module")
+def real_tokenizers() -> dict[str, Tokenizer]:
+    return {
+        name: load_tokenizer(resolve_model(name).path) for name in ("smollm2-135m", "gemma3-270m")
+    }
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "tiny"])
+def test_token_bytes_spell_what_the_tokenizer_encodes(name, real_tokenizers, tiny) -> None:
+    """The bytes of the ids a text encodes to are the text's UTF-8 (SentencePiece's leading
+    dummy-prefix space aside): byte-level BPE (SmolLM2), SentencePiece with byte fallback
+    (Gemma 3 GGUF) and the tiny byte tokenizer."""
+    tokenizer = tiny[2] if name == "tiny" else real_tokenizers[name]
+    spelled = tokenizer.token_bytes()
+    assert len(spelled) == tokenizer.vocab_size
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        joined = b"".join(spelled[i] for i in ids)
+        assert joined in (text.encode(), b" " + text.encode()), (text, joined)
+    eos = tokenizer.eos_token_ids[0]
+    assert spelled[eos] == tokenizer.convert_ids_to_tokens([eos])[0].encode()
+
+
+# ---- the device bitmask ----------------------------------------------------------------------
+
+
+def test_device_bitmask_equals_llguidance_numpy() -> None:
+    """apply_token_bitmask (jitted) masks exactly what llguidance's NumPy helper masks,
+    bits past the vocabulary ignored."""
+    rng = np.random.default_rng(0)
+    vocab = 70  # 3 words, the last one partly past the vocabulary
+    logits = rng.normal(size=(5, vocab)).astype(np.float32)
+    mask = rng.integers(-(2**31), 2**31, size=(5, bitmask_words(vocab)), dtype=np.int64)
+    mask = mask.astype(np.int32)
+    mask[0] = -1  # a free row
+    expected = logits.copy()
+    apply_token_bitmask_inplace(expected, mask)
+    got = np.asarray(jax.jit(apply_token_bitmask)(logits, mask))
+    np.testing.assert_array_equal(got, expected)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+
+def test_batch_mixing_constrained_and_free_rows(engine: LLMEngine, tiny) -> None:
+    """32 requests at once, half constrained by 16 different schemas: each constrained one
+    gets the host-masked naive oracle's tokens and validates, each free one the naive
+    unconstrained greedy tokens; nothing compiles after warm-up."""
+    rng = random.Random(21)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 12))] for _ in range(32)]
+    specs = [StructuredOutputs.from_schema(s) for s in SCHEMAS]
+    params = [greedy(specs[i // 2] if i % 2 == 0 else None) for i in range(32)]
+    for spec in specs:  # compiled off the engine loop, as a server does
+        engine.compile_grammar(spec).result()
+    compilations = engine.stats().compilations_after_warm_up
+    outputs = generate(engine, prompts, params)
+    assert engine.stats().compilations_after_warm_up == compilations == 0
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        choice = output.outputs[0]
+        if i % 2:
+            assert choice.token_ids == free_oracle(tiny, prompt, MAX_TOKENS), i
+            continue
+        schema = SCHEMAS[i // 2]
+        assert choice.token_ids == constrained_oracle(tiny, prompt, specs[i // 2], MAX_TOKENS)
+        assert choice.finish_reason == "stop", (schema, choice.text)
+        jsonschema.validate(json.loads(choice.text), schema)
+
+
+def test_regex_choice_and_grammar_constrain_the_output(engine: LLMEngine, tiny) -> None:
+    words = ("alpha", "beta", "gamma")
+    sums = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[1-9]/'
+    cases = [
+        (StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2}"), lambda t: re.fullmatch(r"\d{3}-\w\w", t)),
+        (StructuredOutputs(choice=words), lambda t: t in words),
+        (StructuredOutputs(grammar=sums), lambda t: re.fullmatch(r"\([1-9](\+[1-9])*\)", t)),
+        (StructuredOutputs(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+    ]
+    prompts = [[65 + i, 66, 67] for i in range(len(cases))]
+    outputs = generate(engine, prompts, [greedy(spec, 24) for spec, _ in cases])
+    for (spec, check), prompt, output in zip(cases, prompts, outputs, strict=True):
+        choice = output.outputs[0]
+        assert choice.token_ids == constrained_oracle(tiny, prompt, spec, 24), spec
+        if choice.finish_reason == "stop":
+            assert check(choice.text), (spec, choice.text)
+
+
+def test_n_choices_each_follow_the_grammar(engine: LLMEngine) -> None:
+    spec = StructuredOutputs(choice=("yes", "no", "maybe"))
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, structured_outputs=spec)
+    (output,) = generate(engine, [[70, 71]], [params])
+    assert [c.text in ("yes", "no", "maybe") for c in output.outputs] == [True] * 3
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        (
+            StructuredOutputs(json='{"type": "object", "properties": {"a": {"type": "nope"}}}'),
+            "json",
+        ),
+        (StructuredOutputs(json="{not json"), "not valid JSON"),
+        (StructuredOutputs(regex="[a-z"), "regular expression"),
+        (StructuredOutputs(regex=r"[a&&b]"), "matches no output"),
+        (StructuredOutputs(grammar="start: undefined_rule"), "grammar"),
+    ],
+)
+def test_bad_grammar_refuses_that_request_only(engine: LLMEngine, tiny, spec, words) -> None:
+    """The bad request is refused with a message naming the problem; a free request added
+    around it finishes with the oracle's tokens."""
+    engine.add_request("free-before", [1, 2, 3], greedy(max_tokens=6))
+    with pytest.raises(InvalidRequestError, match=re.escape(words)) as refused:
+        engine.add_request("bad", [4, 5], greedy(spec))
+    assert refused.value.param == spec.kind
+    outputs = run_to_completion(engine, ["free-before"])
+    assert outputs[0].outputs[0].token_ids == free_oracle(tiny, [1, 2, 3], 6)
+
+
+def test_compile_timeout_fails_the_request_not_the_compiler(tiny) -> None:
+    """A grammar slower to compile than the timeout fails its future with the timeout named;
+    the same compiler then compiles a small grammar at once."""
+    cfg, _, tokenizer = tiny
+    compiler = GrammarCompiler(
+        tokenizer, cfg.vocab_size, StructuredOutputConfig(compile_timeout_s=0.05)
+    )
+    compiler.compile(StructuredOutputs(regex="a")).result()  # llguidance's tokenizer built
+    patterns = {f"k{i}": f"^[a-z]{{{i}}}[0-9]{{2,{i + 3}}}$" for i in range(1, 400)}
+    big = {
+        "type": "object",
+        "properties": {k: {"type": "string", "pattern": p} for k, p in patterns.items()},
+    }
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match=r"did not compile within 0\.05 s"):
+        compiler.compile(StructuredOutputs.from_schema(big)).result()
+    assert time.perf_counter() - start < 1.0
+    compiler.compile(StructuredOutputs(choice=("x",))).result(timeout=1.0)
+    compiler.close()
