@@ -14,6 +14,10 @@ d 512, 8 heads / 4 KV heads, vocabulary 4,096) of the MoE model and of the dense
 batches (no context in the cache), so attention costs little and the MLPs dominate: the same
 for both models.
 
+Device part (`--shape qwen3-30b-a3b --layer-only`, from bench/gpu/run.sh with MOE=1): the
+layer section for one Qwen3-30B-A3B-shaped layer (128 experts, top 8, d 2048, expert width 768)
+with random bfloat16 weights.
+
 Times are medians over repeats after a warm-up call; never assert on them. `--smoke` runs
 every measurement once at toy sizes (the test suite's check that the script works).
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,10 +57,16 @@ class Sizes:
     layer_tokens: tuple[int, ...] = (1, 16, 64, 512)
     decode_seqs: int = 16
     prefill_tokens: int = 256
+    dtype: str = "float32"
 
 
 SMOKE = Sizes(dim=64, expert_width=32, layers=1, vocab=256, layer_tokens=(1, 16),
               decode_seqs=4, prefill_tokens=16)  # fmt: skip
+SHAPES = {
+    "default": Sizes(),
+    "qwen3-30b-a3b": Sizes(dim=2048, experts=128, top_k=8, expert_width=768, layers=1,
+                           vocab=4096, dtype="bfloat16"),
+}  # fmt: skip
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -70,7 +81,7 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def model_config(s: Sizes, *, moe_model: bool) -> ModelConfig:
     cfg = ModelConfig("llama", s.vocab, s.dim, s.top_k * s.expert_width, s.layers, 8, 4,
-                      s.dim // 8, max_position_embeddings=2048)  # fmt: skip
+                      s.dim // 8, max_position_embeddings=2048, dtype=s.dtype)  # fmt: skip
     if not moe_model:
         return cfg
     return cfg.replace(intermediate_size=s.expert_width, num_experts=s.experts,
@@ -83,6 +94,7 @@ def random_params(cfg: ModelConfig) -> dict:
     params: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
     for spec in registry.family(cfg).hf_tensor_specs(cfg).values():
         value = spec.convert((0.05 * rng.standard_normal(spec.shape)).astype(np.float32))
+        value = jax.numpy.asarray(value, cfg.dtype)
         *parents, leaf = spec.path
         node = params
         for key in parents:
@@ -98,7 +110,7 @@ def layer_rows(s: Sizes, repeats: int) -> list[str]:
     rng = np.random.default_rng(1)
     rows = []
     for tokens in s.layer_tokens:
-        x = jax.device_put(rng.standard_normal((tokens, s.dim)).astype(np.float32))
+        x = jax.numpy.asarray(rng.standard_normal((tokens, s.dim)), s.dtype)
         dense = jax.jit(lambda x, p: layers.gated_mlp(x, p, jax.nn.silu))
         dense_ms = median_ms(lambda: dense(x, dense_layer), repeats)  # noqa: B023
         rows.append(f"| {tokens} | dense MLP (width {s.top_k * s.expert_width}) | "
@@ -152,29 +164,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--smoke", action="store_true", help="toy sizes, one repeat")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="default")
+    parser.add_argument("--layer-only", action="store_true", help="skip the step section")
     parser.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
     args = parser.parse_args()
-    sizes, repeats = (SMOKE, 1) if args.smoke else (Sizes(), args.repeats)
+    sizes, repeats = (SMOKE, 1) if args.smoke else (SHAPES[args.shape], args.repeats)
     lines = [
         f"MoE layer: {sizes.experts} experts, top {sizes.top_k}, d {sizes.dim}, expert width "
-        f"{sizes.expert_width} (routing included), float32; ratio to the dense MLP.",
+        f"{sizes.expert_width} (routing included), {sizes.dtype}, {jax.default_backend()}; "
+        "ratio to the dense MLP.",
         "",
         "| tokens | layer | median ms | vs dense |",
         "|---|---|---|---|",
         *layer_rows(sizes, repeats),
-        "",
-        f"Forward step, {sizes.layers} layers (padding batches: little attention work).",
-        "",
-        "| step | dense ms | MoE ms | MoE / dense |",
-        "|---|---|---|---|",
-        *step_rows(sizes, repeats),
     ]
+    if not args.layer_only:
+        lines += [
+            "",
+            f"Forward step, {sizes.layers} layers (padding batches: little attention work).",
+            "",
+            "| step | dense ms | MoE ms | MoE / dense |",
+            "|---|---|---|---|",
+            *step_rows(sizes, repeats),
+        ]
     text = "\n".join(lines)
     print(text)
     if args.write_results and not args.smoke:
-        command = "PYTHONPATH=. .venv/bin/python bench/moe.py --write-results"
+        command = "PYTHONPATH=. .venv/bin/python bench/moe.py " + " ".join(sys.argv[1:])
         versions = {"jax": jax.__version__}
-        write_section(TITLE, "\n".join([*preamble(command, versions), "", text]))
+        title = TITLE if args.shape == "default" else f"{TITLE}, {args.shape}"
+        write_section(title, "\n".join([*preamble(command, versions), "", text]))
 
 
 if __name__ == "__main__":

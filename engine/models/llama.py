@@ -169,14 +169,16 @@ def _hf_experts(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
             f"(mlp_only_layers={hf.get('mlp_only_layers')}, "
             f"decoder_sparse_step={hf.get('decoder_sparse_step')}) are not supported"
         )
+    # transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`, Mixtral's name
+    num_experts = hf.get("num_experts") or hf["num_local_experts"]
     if model_type == "mixtral":
         return dict(
-            num_experts=hf["num_local_experts"],
+            num_experts=num_experts,
             num_experts_per_tok=hf["num_experts_per_tok"],
             norm_topk_prob=True,
         )
     return dict(
-        num_experts=hf["num_experts"],
+        num_experts=num_experts,
         num_experts_per_tok=hf["num_experts_per_tok"],
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
