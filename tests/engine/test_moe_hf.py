@@ -33,6 +33,8 @@ from tests.engine.tiny_moe import (
 
 FORCED = "qwen3-moe-forced"
 MAX_TOKENS = 6
+# Two sequences, 8 tokens a step: few step shapes to compile (each costs seconds).
+SCHEDULER = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64)
 
 
 @pytest.fixture(scope="module", params=[*CONFIGS, FORCED])
@@ -83,8 +85,8 @@ def test_float32_logits_match_transformers(checkpoint) -> None:
 
 
 def test_paged_engine_greedy_matches_transformers(checkpoint) -> None:
-    """Three prompts (11, 5 and 7 tokens) in steps of at most 8 tokens: chunked prefills mixed
-    with decodes, then decodes of all three."""
+    """Two prompts (11 and 5 tokens) in steps of at most 8 tokens: the first prefilled in two
+    chunks, the second beside its second chunk, then decodes of both."""
     name, directory, model = checkpoint
     cfg, params = load_params(ModelFiles(directory, is_gguf=False), dtype="float32")
     engine = LLMEngine(
@@ -92,13 +94,11 @@ def test_paged_engine_greedy_matches_transformers(checkpoint) -> None:
         params,
         load_tokenizer(directory),
         cache_config=CacheConfig(page_size=4, num_pages=64),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64
-        ),
+        scheduler_config=SCHEDULER,
         warm_up=False,
     )
     rng = random.Random(0)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (11, 5, 7)]
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (11, 5)]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, greedy)
@@ -200,9 +200,7 @@ def test_no_compilation_after_warm_up_across_a_random_run(tmp_path) -> None:
         params,
         load_tokenizer(directory),
         cache_config=CacheConfig(page_size=4, num_pages=256),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64
-        ),
+        scheduler_config=SCHEDULER,
     )
     rng = random.Random(9)
     before = compilation.count()
