@@ -240,8 +240,7 @@ def config_from_gguf(meta: Mapping[str, Any], *, dtype: str) -> ModelConfig:
         sliding_window=None,
         dtype=dtype,
         qk_norm="head" if arch in ("qwen3", "qwen3moe") else None,
-        **_gguf_experts(get),
-    )
+    ).replace(**_gguf_experts(get))
 
 
 def _gguf_experts(get: Callable[..., Any]) -> dict[str, Any]:
