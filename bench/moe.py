@@ -60,7 +60,7 @@ class Sizes:
     dtype: str = "float32"
 
 
-SMOKE = Sizes(dim=64, expert_width=32, layers=1, vocab=256, layer_tokens=(1, 16),
+SMOKE = Sizes(dim=64, expert_width=32, layers=1, vocab=256, layer_tokens=(16,),
               decode_seqs=4, prefill_tokens=16)  # fmt: skip
 SHAPES = {
     "default": Sizes(),
@@ -93,13 +93,13 @@ def random_params(cfg: ModelConfig) -> dict:
     rng = np.random.default_rng(0)
     params: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
     for spec in registry.family(cfg).hf_tensor_specs(cfg).values():
-        value = spec.convert((0.05 * rng.standard_normal(spec.shape)).astype(np.float32))
-        value = jax.numpy.asarray(value, cfg.dtype)
+        host = spec.convert((0.05 * rng.standard_normal(spec.shape)).astype(np.float32))
+        value = jax.numpy.asarray(host, cfg.dtype)
         *parents, leaf = spec.path
         node = params
         for key in parents:
             node = node[key]
-        node[leaf] = jax.device_put(value)
+        node[leaf] = value
     return params
 
 

@@ -50,7 +50,7 @@ def run(*case, first: int = 0, impl: str | None) -> np.ndarray:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("tokens", [1, 3, 4, 13])
+@pytest.mark.parametrize("tokens", [1, 4, 13])
 def test_grouped_experts_match_the_loop(tokens: int, impl: str | None) -> None:
     """Fewer pairs (T*k) than experts and more: the default gathers for the former."""
     case = random_case(tokens, seed=tokens)
@@ -65,8 +65,8 @@ def test_unbalanced_load_one_expert_takes_every_token(impl: str | None) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("shards", [2, 4, 8])
-@pytest.mark.parametrize("tokens", [2, 9])
+@pytest.mark.parametrize("shards", [2, 8])
+@pytest.mark.parametrize("tokens", [1, 9])
 def test_shards_of_experts_sum_to_the_whole(shards: int, tokens: int, impl: str | None) -> None:
     x, weights, ids, gate_up, down = random_case(tokens, seed=shards)
     local = E // shards

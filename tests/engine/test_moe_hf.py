@@ -5,6 +5,7 @@ whose first router sends every token to two experts and none to the others."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import jax
@@ -16,6 +17,8 @@ import torch
 from engine import compilation, naive
 from engine.config import CacheConfig, QuantizationConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, run_to_completion
+from engine.models import moe, registry
+from engine.models.layers import dense_causal_attention
 from engine.models.quant import QuantizedWeight, dequantize
 from engine.request import SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -75,6 +78,9 @@ def test_config_read_from_checkpoint(checkpoint) -> None:
 
 
 def test_float32_logits_match_transformers(checkpoint) -> None:
+    """With the platform's choice of expert path (on CPU: every expert on every token), and for
+    a mixture of experts also with the pairs sorted by expert through ragged_dot (the TPU and
+    GPU path)."""
     _, directory, model = checkpoint
     ids = np.random.default_rng(1).integers(0, 256, (2, 16), dtype=np.int32)
     cfg, params = load_params(ModelFiles(directory, is_gguf=False), dtype="float32")
@@ -82,6 +88,28 @@ def test_float32_logits_match_transformers(checkpoint) -> None:
     expected = hf_logits(model, ids)
     assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero numbers
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
+    if cfg.num_experts:
+        sorted_logits = np.asarray(sorted_experts_logits(params, jnp.asarray(ids), cfg=cfg))
+        np.testing.assert_allclose(sorted_logits, expected, atol=1e-4, rtol=0)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def sorted_experts_logits(params, token_ids, *, cfg):
+    """naive.sequence_logits with the experts run as sorted pairs and ragged_dot."""
+    positions = jnp.arange(token_ids.shape[1], dtype=jnp.int32)
+    experts = functools.partial(moe.grouped_experts, impl="sorted")
+
+    def attention(q, k, v, cache, *, sliding_window):
+        out = dense_causal_attention(q, k, v, positions, sm_scale=cfg.head_dim**-0.5)
+        return out, cache
+
+    def one(ids):
+        hidden, _ = registry.forward(
+            params, ids, positions, None, attention, cfg=cfg, experts=experts
+        )
+        return registry.compute_logits(params, hidden, cfg=cfg)
+
+    return jax.lax.map(one, token_ids)
 
 
 def test_paged_engine_greedy_matches_transformers(checkpoint) -> None:
