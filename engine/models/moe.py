@@ -144,12 +144,18 @@ def _dense_swiglu(
     token = jnp.arange(local.shape[0]) // (local.shape[0] // num_tokens)  # i32[M]
     combine = jnp.zeros((num_tokens, num_local + 1), jnp.float32)
     combine = combine.at[token, local].add(pair_weights)[:, :num_local]  # f32[T, E_local]
-    gate_up = jnp.einsum(
-        "TD,EDGF->ETGF", x.astype(we_gate_up.dtype), we_gate_up,
-        preferred_element_type=jnp.float32,
-    )  # fmt: skip
-    hidden = (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]).astype(we_down.dtype)
-    out = jnp.einsum("ETF,EFD->ETD", hidden, we_down, preferred_element_type=jnp.float32)
+    dim, width = we_down.shape[2], we_down.shape[1]
+    rows = x.astype(we_gate_up.dtype)
+
+    def expert(weights: tuple[jax.Array, jax.Array]) -> jax.Array:
+        # One expert as plain 2-D products: XLA:CPU ran the batched einsum over all experts
+        # ~3x slower (8 experts, d 512, 16 tokens; bench/moe.py).
+        gate_up, down = weights
+        h = jnp.dot(rows, gate_up.reshape(dim, 2 * width), preferred_element_type=jnp.float32)
+        hidden = (jax.nn.silu(h[:, :width]) * h[:, width:]).astype(down.dtype)
+        return jnp.dot(hidden, down, preferred_element_type=jnp.float32)  # f32[T, D]
+
+    out = jax.lax.map(expert, (we_gate_up, we_down))  # f32[E_local, T, D]
     return jnp.einsum("ETD,TE->TD", out, combine).astype(x.dtype)
 
 
