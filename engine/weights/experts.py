@@ -89,6 +89,8 @@ class FusedExperts:
         return np.concatenate(stacked, axis=1)  # [E, F, D] x2 -> [E, 2F, D]; down as it is
 
     def get_blocks(self, name: str, bits: int) -> Any:
-        if name in self._stacks or name in self._renamed or name in self._concats:
+        # Experts' stored blocks are not taken as they are (a GGUF's are 3-D): they are
+        # quantized again from float, like a fused tensor.
+        if ".mlp.experts." in name or name in self._renamed:
             return None
         return self._source.get_blocks(name, bits)
