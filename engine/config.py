@@ -9,6 +9,7 @@ from sharding.layout import ShardingLayout
 
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8", "fp8")
+QK_NORMS = ("head", "full")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,15 @@ class ModelConfig:
     local_rope_theta: float | None = None  # RoPE base of the local layers (Gemma 3)
     query_pre_attn_scalar: float | None = None  # sm_scale = this ** -0.5; None: head_dim
     final_logit_softcap: float | None = None  # logits become cap * tanh(logits / cap)
+    # RMSNorm of q and k before RoPE: "head" over each head (Qwen3), "full" over all heads at
+    # once (OLMoE); None: none (Gemma 3 applies its own).
+    qk_norm: str | None = None
+    clip_qkv: float | None = None  # q, k and v clipped to [-c, c] (OLMoE); None: not clipped
+    # Mixture of experts (engine/models/moe.py): every layer's MLP is `num_experts` experts of
+    # width `intermediate_size`, `num_experts_per_tok` of them per token; 0: a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -75,6 +85,13 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.qk_norm not in (None, *QK_NORMS):
+            raise ValueError(f"qk_norm must be one of {QK_NORMS} or None, got {self.qk_norm!r}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                f"{self.num_experts}"
+            )
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise ValueError(
                 f"sliding_layers has {len(self.sliding_layers)} entries, "

@@ -112,6 +112,8 @@ class LLMEngine:
         one of this engine's own, with the default StructuredOutputConfig."""
         if lora_config is not None and cfg.architecture != "llama":
             raise XlaserveError(f"LoRA adapters are not supported for {cfg.architecture} models")
+        if lora_config is not None and cfg.num_experts:
+            raise XlaserveError("LoRA adapters are not supported for mixture-of-experts models")
         self.cfg = cfg
         self._tokenizer = tokenizer
         self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(

@@ -48,7 +48,9 @@ def sequence_logits(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -
         hidden, _ = family.forward(params, ids, positions, None, attention, cfg=cfg)
         return family.compute_logits(params, hidden, cfg=cfg)
 
-    return jax.vmap(one)(token_ids)
+    # lax.map, not vmap: jax has no batching rule for every primitive a model uses (ragged_dot
+    # batched along a non-leading axis, in the MoE layer)
+    return jax.lax.map(one, token_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

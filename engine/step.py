@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from engine import sampling
 from engine.config import ModelConfig
 from engine.models import lora as lora_model
-from engine.models import registry
+from engine.models import moe, registry
 from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.layers import Params
 from sharding import pipeline
@@ -123,7 +123,12 @@ def _forward(
     ) -> Any:
         return attend(q, k, v, kv_pages, meta, sliding_window=sliding_window)
 
-    return registry.forward(params, token_ids, positions, kv_caches, attention, cfg=cfg)
+    experts = None
+    if plan is not None and cfg.num_experts:
+        experts = plan.shard_experts(moe.grouped_experts)
+    return registry.forward(
+        params, token_ids, positions, kv_caches, attention, cfg=cfg, experts=experts
+    )
 
 
 def forward_step(

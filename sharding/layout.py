@@ -20,7 +20,8 @@ Logical axes:
               use, and that axis shards nothing else
   head_dim, pages, page_slots   within a head, and the KV cache's pages and slots: never split
               (attention contracts over head_dim, and any page may hold any sequence)
-  expert      reserved for mixture-of-experts weights; no model has it yet
+  expert      the experts of a mixture of experts (their weights' leading axis): each device
+              runs the tokens routed to its experts (`ShardingPlan.shard_experts`)
 
 Pure: no JAX, no engine (engine/config.py holds a layout). Errors are `LayoutError`, a
 ValueError of one line that names the axis and the numbers.

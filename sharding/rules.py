@@ -65,6 +65,10 @@ PARAM_AXES: Mapping[str, Axes] = {
     "w_up_lora_b": (None, None, "mlp"),
     "w_down_lora_a": (None, "mlp", None),
     "w_down_lora_b": (None, None, "embed"),
+    # Mixture of experts: experts split over the `expert` axis, each expert's width like `mlp`.
+    "router": ("embed", None),
+    "we_gate_up": ("expert", "embed", None, "mlp"),
+    "we_down": ("expert", "mlp", "embed"),
 }
 # One layer's cache [pages, page_size, 2*Hkv, Dp] (K and V interleaved on the head axis, so a
 # contiguous block of the axis holds whole K/V pairs); stacked caches lead with `layers`.
@@ -81,6 +85,7 @@ def model_dims(cfg: ModelConfig) -> dict[str, int]:
         "head_dim": cfg.head_dim,
         "mlp": cfg.intermediate_size,
         "layers": cfg.num_layers,
+        **({"expert": cfg.num_experts} if cfg.num_experts else {}),
     }
 
 
@@ -197,6 +202,38 @@ class ShardingPlan:
         axes = CACHE_AXES if len(shape) == len(CACHE_AXES) else ("layers", *CACHE_AXES)
         return NamedSharding(self.mesh, self.spec(axes, shape, cache=True))
 
+    def shard_experts(self, experts: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+        """Runs `experts(x, weights, ids, we_gate_up, we_down, first_expert) -> f[T, D]`
+        (`engine.models.moe.grouped_experts`) per shard of the expert weights: every device sees
+        all tokens and their routing (replicated), computes the pairs routed to its experts with
+        its slice of their width, and a psum over the expert and width axes adds the parts.
+
+        The simplest correct scheme: it moves no tokens (they are replicated already, as the
+        attention's output is) and sends one [T, D] sum per layer, where an all-to-all dispatch
+        would send only the routed rows; at decode sizes the psum is as small as either."""
+        gate_up_axes, down_axes = PARAM_AXES["we_gate_up"], PARAM_AXES["we_down"]
+
+        def sharded(
+            x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: Any, down: Any
+        ) -> Any:
+            gate_up_spec = self.spec(gate_up_axes, tuple(gate_up.shape))
+            down_spec = self.spec(down_axes, tuple(down.shape))
+            axes = {"expert": gate_up_spec[0], "mlp": gate_up_spec[3]}
+            num_local = down.shape[0] // (1 if axes["expert"] is None else self._size("expert"))
+            context = jax.sharding.get_abstract_mesh()
+            nested = not context.empty and bool(context.manual_axes)
+            fn = jax.shard_map(
+                _expert_body(experts, num_local, axes),
+                mesh=None if nested else self.mesh,
+                in_specs=(P(), P(), P(), gate_up_spec, down_spec),
+                out_specs=P(),
+                axis_names=set(self.mesh.axis_names) - set(context.manual_axes if nested else ()),
+                check_vma=False,
+            )
+            return fn(x, weights, ids, gate_up, down)
+
+        return sharded
+
     def stage(self, index: int) -> ShardingPlan:
         """The plan on one pipeline stage's devices (the pipeline axis cut to that stage)."""
         if self.layout.pipeline_axis is None:
@@ -246,6 +283,22 @@ class ShardingPlan:
             return fn(q, k, v, pages, meta)
 
         return sharded
+
+
+def _expert_body(
+    experts: Callable[..., jax.Array], num_local: int, axes: dict[str, str | None]
+) -> Callable[..., jax.Array]:
+    """One shard's part of `experts`: its experts' pairs (first_expert from its index on the
+    expert axis), summed over the shards of experts and of their width."""
+    summed = tuple(axis for axis in axes.values() if axis is not None)
+
+    def body(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: Any, down: Any) -> Any:
+        axis = axes["expert"]
+        first = 0 if axis is None else lax.axis_index(axis) * num_local
+        out = experts(x, weights, ids, gate_up, down, first)
+        return lax.psum(out, summed) if summed else out
+
+    return body
 
 
 def param_axes(path: tuple[Any, ...], ndim: int) -> Axes:

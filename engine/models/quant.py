@@ -41,6 +41,9 @@ QUANTIZED_AXIS = {
     "w_down": 0,
     "embed": 1,
     "lm_head": 1,
+    # experts [E, D, 2, F] and [E, F, D] contract their second axis; each expert's own groups
+    "we_gate_up": 1,
+    "we_down": 1,
 }
 
 

@@ -12,6 +12,7 @@ from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
 from engine.models import gemma3, llama
 from engine.models.layers import AttentionFn, Params
+from engine.models.moe import ExpertsFn
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ HF_ARCHITECTURES: Mapping[str, ModelFamily] = {
     "LlamaForCausalLM": LLAMA,
     "MistralForCausalLM": LLAMA,
     "Qwen2ForCausalLM": LLAMA,
+    "Qwen3ForCausalLM": LLAMA,
+    "Qwen3MoeForCausalLM": LLAMA,
+    "MixtralForCausalLM": LLAMA,
+    "OlmoeForCausalLM": LLAMA,
     "Gemma3ForCausalLM": GEMMA3,
 }
 
@@ -69,6 +74,8 @@ HF_ARCHITECTURES: Mapping[str, ModelFamily] = {
 GGUF_ARCHITECTURES: Mapping[str, ModelFamily] = {
     "llama": LLAMA,
     "qwen2": LLAMA,
+    "qwen3": LLAMA,
+    "qwen3moe": LLAMA,
     "gemma3": GEMMA3,
 }
 
@@ -103,9 +110,12 @@ def forward(
     attention: AttentionFn,
     *,
     cfg: ModelConfig,
+    experts: ExpertsFn | None = None,
 ) -> tuple[jax.Array, Any]:
-    """The forward of whichever family `cfg` names."""
-    return family(cfg).forward(params, token_ids, positions, caches, attention, cfg=cfg)
+    """The forward of whichever family `cfg` names; `experts` runs a mixture of experts'
+    routed tokens (a sharded `moe.grouped_experts`; None: on one device)."""
+    extra = {} if experts is None else {"experts": experts}
+    return family(cfg).forward(params, token_ids, positions, caches, attention, cfg=cfg, **extra)
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:

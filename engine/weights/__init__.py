@@ -32,7 +32,7 @@ from engine.models import registry
 from engine.models.layers import Params
 from engine.models.llama import TensorSpec
 from engine.models.quant import QUANTIZED_AXIS, QuantizedWeight, weight_bytes
-from engine.weights import gguf_file, hf_checkpoint, orbax_checkpoint, quantize
+from engine.weights import experts, gguf_file, hf_checkpoint, orbax_checkpoint, quantize
 from sharding.rules import ShardingPlan, param_axes
 
 logger = logging.getLogger(__name__)
@@ -206,6 +206,9 @@ def _open(files: ModelFiles, dtype: str) -> tuple[ModelConfig, TensorSource]:
         )
         tied = "lm_head.weight" not in gguf_source.names()
         cfg = cfg.replace(tie_word_embeddings=tied)
+        if cfg.num_experts:
+            gguf_source.check_types(gguf_source.names())
+            return cfg, experts.FusedExperts(gguf_source)
         needed = set(registry.family(cfg).hf_tensor_specs(cfg)) & gguf_source.names()
         gguf_source.check_types(needed)
         return cfg, gguf_source
@@ -215,7 +218,8 @@ def _open(files: ModelFiles, dtype: str) -> tuple[ModelConfig, TensorSource]:
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{files.path}: {e}") from e
     cfg = family.config_from_hf(hf, dtype=dtype)
-    return cfg, hf_checkpoint.SafetensorsSource(files.path)
+    source = hf_checkpoint.SafetensorsSource(files.path)
+    return cfg, experts.FusedExperts(source) if cfg.num_experts else source
 
 
 def _check_complete(path: Path, specs: dict[str, TensorSpec], source: TensorSource) -> None:

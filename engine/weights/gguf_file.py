@@ -62,6 +62,15 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Qwen3's QK-norm; experts (qwen3moe, and Mixtral as `llama`), all experts in one tensor
+    # each: gate and up [E, F, D] (fused into HF's gate_up_proj by `weights.experts`), down
+    # [E, D, F] as HF's fused down_proj, and the router [E, D].
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_exps",
+    "ffn_up_exps.weight": "mlp.experts.up_exps",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
 # Gemma 3 names its four norms differently (`ffn_norm` is the norm *before* the MLP there).
 _GEMMA3_LAYER_NAMES = {

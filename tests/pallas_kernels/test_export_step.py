@@ -1,5 +1,6 @@
 """The whole engine step (projections, KV write, the platform's attention kernel, logits,
-sampling) lowers and exports for TPU and for CUDA on this CPU-only machine."""
+sampling) lowers and exports for TPU and for CUDA on this CPU-only machine, for a dense model
+and for a mixture of experts (Qwen3-MoE-like: QK-norm, 8 experts, top 2)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ CFG = ModelConfig(
     head_dim=64,
     max_position_embeddings=256,
 )
+MOE_CFG = CFG.replace(
+    intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    qk_norm="head",
+)  # fmt: skip
 
 
 def random_params(cfg: ModelConfig) -> dict:
@@ -43,6 +48,7 @@ def random_params(cfg: ModelConfig) -> dict:
     return params
 
 
+@pytest.mark.parametrize("cfg", [CFG, MOE_CFG], ids=["dense", "moe"])
 @pytest.mark.parametrize(
     ("platform", "impl", "disabled"),
     [
@@ -50,14 +56,14 @@ def random_params(cfg: ModelConfig) -> dict:
         pytest.param("cuda", "gpu", gpu.EXPORT_DISABLED_CHECKS, marks=needs_cuda_lowering()),
     ],
 )
-def test_step_exports(platform: str, impl: str, disabled: tuple) -> None:
+def test_step_exports(platform: str, impl: str, disabled: tuple, cfg: ModelConfig) -> None:
     page_size, num_tokens, num_seqs = 16, 32, 4
     spec = KVCacheSpec.for_platform(
         "tpu" if platform == "tpu" else "gpu",
         num_pages=64,
         page_size=page_size,
-        num_kv_heads=CFG.num_kv_heads,
-        head_dim=CFG.head_dim,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
     )
     shapes = BatchShapes.create(
         max_num_batched_tokens=num_tokens,
@@ -73,9 +79,9 @@ def test_step_exports(platform: str, impl: str, disabled: tuple) -> None:
         return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
 
     args = jax.tree.map(
-        abstract, (random_params(CFG), [np.zeros(spec.shape, np.float32)] * 2, batch)
+        abstract, (random_params(cfg), [np.zeros(spec.shape, np.float32)] * 2, batch)
     )
-    options = StepOptions(CFG, attention_impl=impl)
+    options = StepOptions(cfg, attention_impl=impl)
     jitted = jax.jit(step, static_argnames="options")
     exported = export.export(jitted, platforms=[platform], disabled_checks=list(disabled))(
         *args, options=options
@@ -83,3 +89,5 @@ def test_step_exports(platform: str, impl: str, disabled: tuple) -> None:
     text = exported.mlir_module()
     assert exported.platforms == (platform,)
     assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
+    if cfg.num_experts:  # the experts as a grouped matmul, not the CPU's dense product
+        assert "ragged_dot" in text
