@@ -44,8 +44,8 @@ generate: $(VENV)/.serve
 
 # tests/sharding needs 8 simulated devices, fixed before JAX starts: its own pytest process.
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q --ignore=tests/sharding
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q tests/sharding
+	$(BIN)/python -m pytest -q --durations=25 --ignore=tests/sharding
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q --durations=10 tests/sharding
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .

@@ -106,7 +106,9 @@ def _engines(
     if config.lora is not None and (multi or layout.num_replicas > 1):
         raise XlaserveError("LoRA adapters over several processes or replicas are not supported")
     if layout.num_devices == 1 and not multi:
-        return engine(checkpoint.load_params(quantization=config.quantization, progress=True))
+        single = engine(checkpoint.load_params(quantization=config.quantization, progress=True))
+        single.on_close(grammars.close)  # the compiler is the builder's: it closes it
+        return single
     check_layout(layout, checkpoint.cfg)  # before any weight is read
     meshes = replica_meshes(make_mesh(layout, _devices(layout)), layout)
     if len(meshes) > 1 and multi:
@@ -116,6 +118,7 @@ def _engines(
         plan = ShardingPlan.create(mesh, checkpoint.cfg, layout)
         params = checkpoint.load_params(plan, config.quantization)
         replicas.append(engine(params, mesh=mesh, layout=layout))
+    replicas[0].on_close(grammars.close)  # shared by the replicas; DataParallelEngine closes all
     return replicas[0] if len(replicas) == 1 else DataParallelEngine(replicas)
 
 

@@ -220,7 +220,9 @@ class LLMEngine:
         self._on_close.append(callback)
 
     def close(self) -> None:
-        self.grammars.compiler.close()
+        """Runs the `on_close` callbacks (the builder's: its grammar compiler, multi-process
+        followers). A compiler this engine made itself has idle worker threads only; they end
+        with the process."""
         while self._on_close:
             self._on_close.pop()()
 

@@ -176,7 +176,7 @@ def test_batch_mixing_constrained_and_free_rows(engine: LLMEngine, tiny) -> None
         engine.compile_grammar(spec).result()
     compilations = engine.stats().compilations_after_warm_up
     outputs = generate(engine, prompts, params)
-    assert engine.stats().compilations_after_warm_up == compilations == 0
+    assert engine.stats().compilations_after_warm_up == compilations  # none during the batch
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         choice = output.outputs[0]
         if i % 2:

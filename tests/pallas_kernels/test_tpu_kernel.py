@@ -428,8 +428,8 @@ def release_behind_window(case: RaggedCase, window: int) -> RaggedCase:
 WRAPPER_CASES = {
     "llama3-8b-bf16-mixed": Case("mixed", 3, 40, 32, 8, 128, 128, 16, "bfloat16", None, None),
     "gemma3-f32-decode-window-cap": Case("decode", 4, 90, 4, 1, 256, 256, 16, "float32", 16, 20.0),
-    "gqa1-d64pad-p32-bf16-prefill-window": Case(
-        "prefill", 3, 40, 2, 2, 64, 128, 32, "bfloat16", 20, None
+    "gqa1-d64pad-p32-bf16-chunked-window": Case(
+        "chunked", 3, 200, 2, 2, 64, 128, 32, "bfloat16", 20, None
     ),
 }
 
