@@ -106,7 +106,8 @@ def measure(
     for i in range(running):
         prompt = [(i * 7 + j * 13) % (vocab - 8) + 4 for j in range(PROMPT_LEN)]
         engine.add_request(f"r{running}-{i}", prompt, params)
-    while engine.stats().num_computed_prompt_tokens < running * PROMPT_LEN:
+    prefilled = engine.stats().num_computed_prompt_tokens + running * PROMPT_LEN
+    while engine.stats().num_computed_prompt_tokens < prefilled:  # the counter spans sizes
         engine.step()
     for _ in range(warm_steps):
         engine.step()
