@@ -292,9 +292,9 @@ def _expert_specs(cfg: ModelConfig) -> LayerSpecs:
     d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     return {
         "mlp.gate.weight": ("router", (e, d), np.transpose),
-        # [E, 2F, D] (gate rows, then up rows) -> [E, D, 2, F]
+        # [E, 2F, D] (gate rows, then up rows) -> [E, D, 2, F]; blocks' scales [E, 2F, D/32] alike
         "mlp.experts.gate_up_proj": (
-            "we_gate_up", (e, 2 * f, d), lambda w: w.reshape(e, 2, f, d).transpose(0, 3, 1, 2),
+            "we_gate_up", (e, 2 * f, d), lambda w: w.reshape(e, 2, f, -1).transpose(0, 3, 1, 2),
         ),
         "mlp.experts.down_proj": ("we_down", (e, d, f), lambda w: w.transpose(0, 2, 1)),
     }  # fmt: skip

@@ -333,9 +333,10 @@ def _load_tensor(
         return jax.device_put(spec.convert(source.get(name)).astype(jnp.dtype(cfg.dtype)))
     axis = QUANTIZED_AXIS[str(leaf)]
     stored = source.get_blocks(name, quantization.bits)
-    # wo groups along one head's H: blocks spanning two heads (H < 32) are requantized instead.
-    length = cfg.head_dim if leaf == "wo" else spec.shape[1]
-    if stored is not None and length % (stored.values.shape[1] // stored.scales.shape[1]) == 0:
+    # Blocks run along the checkpoint's last axis (the contraction); wo groups along one head's
+    # H: blocks spanning two heads (H < 32) are requantized instead.
+    length = cfg.head_dim if leaf == "wo" else spec.shape[-1]
+    if stored is not None and length % (stored.values.shape[-1] // stored.scales.shape[-1]) == 0:
         return quantize.to_device(stored.convert(spec.convert), axis, cfg.dtype)
     host = quantize.quantize(spec.convert(source.get(name)), str(leaf), quantization)
     return quantize.to_device(host, axis, cfg.dtype)

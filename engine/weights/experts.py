@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.weights.quantize import HostQuantized
+
 # per-expert name pattern (layer prefix, expert index) -> which part: 0 gate, 1 up, 2 down
 _PER_EXPERT = (
     (re.compile(r"(.*)\.mlp\.experts\.(\d+)\.gate_proj\.weight"), 0),
@@ -88,9 +90,28 @@ class FusedExperts:
         stacked = [np.stack([self._source.get(n) for n in group]) for group in self._stacks[name]]
         return np.concatenate(stacked, axis=1)  # [E, F, D] x2 -> [E, 2F, D]; down as it is
 
-    def get_blocks(self, name: str, bits: int) -> Any:
-        # Experts' stored blocks are not taken as they are (a GGUF's are 3-D): they are
-        # quantized again from float, like a fused tensor.
-        if ".mlp.experts." in name or name in self._renamed:
+    def get_blocks(self, name: str, bits: int) -> HostQuantized | None:
+        """A GGUF's stored blocks (`gguf_file.GGUFTensors.get_blocks`), gate and up joined like
+        `get` joins them; None where the tensors are not taken as stored (per-expert
+        safetensors have no blocks; gate and up of different block types are quantized again
+        from float)."""
+        if name in self._renamed:
+            return self._source.get_blocks(self._renamed[name], bits)
+        if name in self._stacks:
             return None
-        return self._source.get_blocks(name, bits)
+        if name not in self._concats:
+            return self._source.get_blocks(name, bits)
+        gate, up = (self._source.get_blocks(n, bits) for n in self._concats[name])
+        if gate is None or up is None or gate.bits != up.bits:
+            return None
+        if (gate.offsets is None) != (up.offsets is None):
+            return None
+        offsets = None
+        if gate.offsets is not None and up.offsets is not None:
+            offsets = np.concatenate([gate.offsets, up.offsets], axis=1)
+        return HostQuantized(
+            np.concatenate([gate.values, up.values], axis=1),  # [E, F, D] x2 -> [E, 2F, D]
+            np.concatenate([gate.scales, up.scales], axis=1),
+            offsets,
+            gate.bits,
+        )

@@ -3,6 +3,7 @@ as their quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K) without a float copy."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -163,17 +164,20 @@ class GGUFSource:
         return self._unpermute(name, array)
 
     def get_blocks(self, name: str, bits: int) -> HostQuantized | None:
-        """The tensor's own quantized blocks ([out, in] like `get`, groups of 32 along in), if
-        its type is one taken directly at `bits` (DIRECT_TYPES); else None."""
+        """The tensor's own quantized blocks (shaped like `get`: [out, in], or [E, out, in] for
+        all experts of a layer; groups of 32 along in), if its type is one taken directly at
+        `bits` (DIRECT_TYPES); else None."""
         tensor = self._tensors[name]
         if tensor.tensor_type not in DIRECT_TYPES[bits]:
             return None
-        rows, cols = self.shape(name)
+        *outer, cols = self.shape(name)
+        rows = math.prod(outer)
         try:
             data = np.asarray(tensor.data, np.uint8).reshape(rows, -1)
             q = decode_blocks(data, tensor.tensor_type, cols)
         except ValueError as e:
             raise ModelLoadError(f"{self._path}: tensor {tensor.name} is corrupt ({e})") from e
+        q = q.convert(lambda x: x.reshape(*outer, x.shape[-1]))
         return q.convert(lambda x: self._unpermute(name, x))
 
     def _unpermute(self, name: str, array: np.ndarray) -> np.ndarray:

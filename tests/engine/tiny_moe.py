@@ -4,15 +4,16 @@ forward and engine with transformers'."""
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import safetensors.torch
 import torch
 import transformers
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from tests.engine.tiny_gguf import _permute, gguf_name
 from tests.engine.tiny_model import EOS_ID, VOCAB_SIZE, write_byte_tokenizer
@@ -106,16 +107,32 @@ def tensor_names(directory: Path) -> set[str]:
     return names
 
 
-def write_gguf(path: Path, model: torch.nn.Module, architecture: str) -> None:
+def write_gguf(
+    path: Path,
+    model: torch.nn.Module,
+    architecture: str,
+    expert_types: Sequence[GGMLQuantizationType] = (),
+) -> None:
     """`model` (Qwen3 as `qwen3`, Qwen3-MoE as `qwen3moe`, Mixtral as `llama`) as llama.cpp's
     converter writes it, in float32: all experts in one tensor per projection ([E, F, D] gate
     and up apart, [E, D, F] down), the router as `ffn_gate_inp`, q/k rows permuted under
-    `llama`."""
+    `llama`. `expert_types`: the experts' blocks instead, quantized by gguf-py, gate, up and
+    down taking the types in turn."""
     cfg = model.config
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0)
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
     writer = GGUFWriter(str(path), architecture)
+
+    types = itertools.cycle(expert_types) if expert_types else None
+
+    def add(name: str, w: np.ndarray) -> None:
+        if types is None or "_exps." not in name:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+            return
+        qtype = next(types)
+        writer.add_tensor(name, quants.quantize(w, qtype), raw_dtype=qtype)
+
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -135,17 +152,15 @@ def write_gguf(path: Path, model: torch.nn.Module, architecture: str) -> None:
         w = tensor.float().numpy()
         if hf_name.endswith("mlp.experts.gate_up_proj"):
             layer = hf_name.split(".")[2]
-            writer.add_tensor(
-                f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(w[:, :width])
-            )
-            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(w[:, width:]))
+            add(f"blk.{layer}.ffn_gate_exps.weight", w[:, :width])
+            add(f"blk.{layer}.ffn_up_exps.weight", w[:, width:])
             continue
         name = gguf_name(hf_name)
         if architecture == "llama" and "attn_q." in name:
             w = _permute(w, cfg.num_attention_heads)
         elif architecture == "llama" and "attn_k." in name:
             w = _permute(w, cfg.num_key_value_heads)
-        writer.add_tensor(name, np.ascontiguousarray(w))
+        add(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
