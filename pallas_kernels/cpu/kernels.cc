@@ -1,8 +1,8 @@
 // CPU kernels for the parts of the step where XLA:CPU's generic code falls far short of the
-// machine: ragged attention over the paged cache (decode and prefill rows), and products of a
-// few activation rows with int8/int4 weights. Registered with XLA through the FFI (see
-// __init__.py); each has a pure-jnp twin that is its test oracle and the path on every other
-// platform.
+// machine: ragged attention over the paged cache (decode and prefill rows), and products of up
+// to a decode batch of activation rows with int8/int4 weights. Registered with XLA through the
+// FFI (see __init__.py); each has a pure-jnp twin that is its test oracle and the path on every
+// other platform.
 //
 // C++ with the compiler's vector extensions (8 or 16 float lanes, built -O3 -march=native;
 // AVX-512 intrinsics only to widen bytes); work is split over XLA's own intra-op thread pool.
@@ -549,10 +549,80 @@ void KnTile(const float* x, int64_t k_size, const uint8_t* values, const float* 
     for (int v = 0; v < kVectors; ++v) Store(y + r * n_size + n0 + v * kLanes, acc[r][v]);
 }
 
+// Many rows (more than kFewRows): a pass per pair of rows would dequantize each weight rows / 2
+// times. Instead each chunk of kWeightChunk weight rows of the tile is dequantized once into a
+// buffer that stays in L1, and every row of x meets it there, kBlockRows rows by kBlockVectors
+// vectors of outputs at a time (16 accumulators), the tile's outputs summed in y across chunks.
+constexpr int64_t kFewRows = 2, kWeightChunk = 32, kBlockRows = 4, kBlockVectors = 4;
+
+template <int Rows>
+void KnBlock(const float* x, int64_t k_size, const float* w, int64_t width, int64_t chunk,
+             float* y, int64_t n_size) {
+  F16 acc[Rows][kBlockVectors];
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kBlockVectors; ++v) acc[r][v] = Load(y + r * n_size + v * kLanes);
+  for (int64_t k = 0; k < chunk; ++k) {
+    F16 wk[kBlockVectors];
+    for (int v = 0; v < kBlockVectors; ++v) wk[v] = Load(w + k * width + v * kLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const float a = x[r * k_size + k];
+      for (int v = 0; v < kBlockVectors; ++v) acc[r][v] += a * wk[v];
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kBlockVectors; ++v) Store(y + r * n_size + v * kLanes, acc[r][v]);
+}
+
+template <int Bits>
+void KnTileManyRows(const float* x, int64_t rows, int64_t k_size, const uint8_t* values,
+                    const float* scales, const float* offsets, int64_t group, int64_t n_size,
+                    int64_t n0, int64_t width, float* y) {
+  alignas(64) float w[kWeightChunk * kTile];
+  const int64_t chunk = std::min(group, kWeightChunk);  // the caller checked group % chunk == 0
+  for (int64_t r = 0; r < rows; ++r) std::fill_n(y + r * n_size + n0, width, 0.0f);
+  for (int64_t k0 = 0; k0 < k_size; k0 += chunk) {
+    const int64_t g = k0 / group;
+    for (int64_t v = 0; v < width / kLanes; ++v) {
+      const int64_t n = n0 + v * kLanes;
+      const F16 scale = Load(scales + g * n_size + n);
+      const F16 offset = offsets ? Load(offsets + g * n_size + n) : F16{};
+      float* out = w + v * kLanes;
+      for (int64_t k = 0; k < chunk; k += Bits == 4 ? 2 : 1) {
+        if constexpr (Bits == 8) {
+          const auto* row = reinterpret_cast<const int8_t*>(values) + (k0 + k) * n_size + n;
+          Store(out + k * width, LoadI8(row) * scale + offset);
+        } else {
+          const U8x16 b = LoadU8(values + ((k0 + k) / 2) * n_size + n);
+          Store(out + k * width, ToFloat(b & 15) * scale + offset);
+          Store(out + (k + 1) * width, ToFloat(b >> 4) * scale + offset);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; r += kBlockRows) {
+      const float* xr = x + r * k_size + k0;
+      for (int64_t v = 0; v < width / kLanes; v += kBlockVectors) {
+        float* yr = y + r * n_size + n0 + v * kLanes;
+        const float* wv = w + v * kLanes;
+        switch (std::min(kBlockRows, rows - r)) {
+          case 4: KnBlock<4>(xr, k_size, wv, width, chunk, yr, n_size); break;
+          case 3: KnBlock<3>(xr, k_size, wv, width, chunk, yr, n_size); break;
+          case 2: KnBlock<2>(xr, k_size, wv, width, chunk, yr, n_size); break;
+          default: KnBlock<1>(xr, k_size, wv, width, chunk, yr, n_size);
+        }
+      }
+    }
+  }
+}
+
 template <int Bits, int Vectors>
 void KnColumns(const float* x, int64_t rows, int64_t k_size, const uint8_t* values,
                const float* scales, const float* offsets, int64_t group, int64_t n_size,
                int64_t n0, float* y) {
+  if (rows > kFewRows && group % std::min(group, kWeightChunk) == 0) {
+    KnTileManyRows<Bits>(x, rows, k_size, values, scales, offsets, group, n_size, n0,
+                         Vectors * kLanes, y);
+    return;
+  }
   for (int64_t r = 0; r < rows; r += kRows) {
     const float* xr = x + r * k_size;
     float* yr = y + r * n_size;
@@ -615,6 +685,78 @@ void NkRow(const float* x, const float* xe, const float* xo, int64_t rows, int64
   }
 }
 
+// Many rows (more than kFewTableRows): NkRow would dequantize each table row rows / 4 times.
+// Instead kTableRows table rows at a time are dequantized once into a buffer in L1 (int4: even
+// elements, then odd ones, as in `xs`) and dotted with every row of x, 4 x rows by kTableRows
+// table rows at a time (16 accumulators).
+constexpr int64_t kFewTableRows = 4, kTableRows = 4;
+
+// A vector's sum by halving (4 shuffles and adds): `Sum`'s lane-by-lane loop cost as much as the
+// dot products here.
+inline float TreeSum(F16 v) {
+  typedef float F8h __attribute__((vector_size(32)));
+  typedef float F4h __attribute__((vector_size(16)));
+  const F8h a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F4h b =
+      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+template <int Rows>
+void NkDots(const float* xs, const float* w, int64_t k_size, int64_t count, int64_t n_size,
+            float* y) {
+  F16 acc[Rows][kTableRows] = {};
+  for (int64_t k = 0; k < k_size; k += kLanes) {
+    F16 wk[kTableRows];
+    for (int j = 0; j < kTableRows; ++j) wk[j] = Load(w + j * k_size + k);
+    for (int r = 0; r < Rows; ++r) {
+      const F16 a = Load(xs + r * k_size + k);
+      for (int j = 0; j < kTableRows; ++j) acc[r][j] += a * wk[j];
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int64_t j = 0; j < count; ++j) y[r * n_size + j] = TreeSum(acc[r][j]);
+}
+
+template <int Bits>
+void NkManyRows(const float* xs, int64_t rows, int64_t k_size, const uint8_t* values,
+                const float* scales, const float* offsets, int64_t group, int64_t n_size,
+                int64_t n0, int64_t count, float* w, float* y) {
+  const int64_t groups = k_size / group, half = k_size / 2;
+  std::fill_n(w + count * k_size, (kTableRows - count) * k_size, 0.0f);
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t n = n0 + j;
+    const float* s = scales + n * groups;
+    const float* o = offsets ? offsets + n * groups : nullptr;
+    float* out = w + j * k_size;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float off = o ? o[g] : 0.0f;
+      if constexpr (Bits == 8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(values) + n * k_size;
+        for (int64_t k = g * group; k < (g + 1) * group; k += kLanes)
+          Store(out + k, LoadI8(q + k) * s[g] + off);
+      } else {
+        for (int64_t b = g * group / 2; b < (g + 1) * group / 2; b += kLanes) {
+          const U8x16 bytes = LoadU8(values + n * half + b);
+          Store(out + b, ToFloat(bytes & 15) * s[g] + off);
+          Store(out + half + b, ToFloat(bytes >> 4) * s[g] + off);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; r += 4) {
+    const float* xr = xs + r * k_size;
+    float* yr = y + r * n_size + n0;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4: NkDots<4>(xr, w, k_size, count, n_size, yr); break;
+      case 3: NkDots<3>(xr, w, k_size, count, n_size, yr); break;
+      case 2: NkDots<2>(xr, w, k_size, count, n_size, yr); break;
+      default: NkDots<1>(xr, w, k_size, count, n_size, yr);
+    }
+  }
+}
+
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
                                ffi::Buffer<ffi::F32> offsets, ffi::ResultBuffer<ffi::F32> y,
@@ -641,13 +783,34 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     });
     return ffi::Error::Success();
   }
+  constexpr int64_t kBlock = 512;  // table rows per work item
+  if (rows > kFewTableRows) {
+    // int4: each row of x as its even elements, then its odd ones (the bytes' low, high nibbles)
+    std::unique_ptr<float[]> split(new float[bits == 4 ? rows * k_size : 0]);
+    for (int64_t r = 0; bits == 4 && r < rows; ++r)
+      for (int64_t i = 0; i < k_size / 2; ++i) {
+        split[r * k_size + i] = xp[r * k_size + 2 * i];
+        split[r * k_size + k_size / 2 + i] = xp[r * k_size + 2 * i + 1];
+      }
+    const float* xs = bits == 4 ? split.get() : xp;
+    ParallelFor(pool, (n_size + kBlock - 1) / kBlock, [&](int64_t item) {
+      std::unique_ptr<float[]> w(new float[kTableRows * k_size]);
+      for (int64_t n = item * kBlock; n < std::min(n_size, (item + 1) * kBlock); n += kTableRows) {
+        const int64_t count = std::min(kTableRows, n_size - n);
+        if (bits == 8)
+          NkManyRows<8>(xs, rows, k_size, q, s, o, group, n_size, n, count, w.get(), yp);
+        else
+          NkManyRows<4>(xs, rows, k_size, q, s, o, group, n_size, n, count, w.get(), yp);
+      }
+    });
+    return ffi::Error::Success();
+  }
   std::unique_ptr<float[]> split(new float[bits == 4 ? rows * k_size : 0]);
   float *xe = split.get(), *xo = xe + rows * k_size / 2;
   for (int64_t i = 0; bits == 4 && i < rows * k_size / 2; ++i) {
     xe[i] = xp[2 * i];
     xo[i] = xp[2 * i + 1];
   }
-  constexpr int64_t kBlock = 512;  // table rows per work item
   ParallelFor(pool, (n_size + kBlock - 1) / kBlock, [&](int64_t item) {
     for (int64_t n = item * kBlock; n < std::min(n_size, (item + 1) * kBlock); ++n) {
       if (bits == 8) NkRow<8>(xp, xe, xo, rows, k_size, q, s, o, group, n_size, n, yp);
