@@ -60,8 +60,15 @@ def run_core(config: EngineConfig, conns: Sequence[Connection], verbose: bool) -
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    import tqdm
+
     from engine import compilation
     from engine.builder import build_engine
+
+    # Progress bars lock with a thread lock: tqdm's default multiprocessing lock is a named
+    # semaphore, which a core killed by a signal would leave to the resource tracker to remove
+    # (with a warning on the server's stderr).
+    tqdm.tqdm.set_lock(threading.RLock())
 
     try:
         engine = build_engine(config)

@@ -142,7 +142,8 @@ def _run_in_process(config: EngineConfig, options: ServeOptions) -> int:
     def load() -> Front:
         return AsyncEngine(build_engine(config), step_timeout=options.step_timeout)
 
-    return asyncio.run(_serve(options, app, server, admission, load, None, None))
+    serve = _serve(options, app, server, admission, load, None, None, exit_at_once=True)
+    return asyncio.run(serve)
 
 
 def _app(
@@ -196,7 +197,12 @@ async def _serve(
     sockets: list[socket.socket] | None,
     *,
     first: bool = True,
+    exit_at_once: bool = False,
 ) -> int:
+    """Serves HTTP (and gRPC) over the front `load_front` returns once it has loaded. A fatal
+    engine error returns 1 after one line on stderr (from the first API server), or, with
+    `exit_at_once` (a multi-process engine, whose exit barrier would wait for a dead peer),
+    ends the process at once."""
     loop = asyncio.get_running_loop()
     loaded: dict[str, Any] = {}
 
@@ -251,7 +257,9 @@ async def _serve(
     if "fatal" in loaded:
         if first:
             print(f"xlaserve: error: {loaded['error']}", file=sys.stderr)
-        _exit_now(1)
+        if exit_at_once:
+            _exit_now(1)
+        return 1
     if others is not None:
         await asyncio.to_thread(others.join, options.shutdown_timeout + ENGINE_STOP_TIMEOUT)
     if "engine" in loaded:

@@ -73,8 +73,10 @@ def _body(prompt: str, max_tokens: int, **extra) -> dict:
 
 
 async def _stream(client: httpx.AsyncClient, prompt: str, hang_up: bool) -> str | None:
+    """A stream's text; one that hangs up asks for LONG tokens, so that an abort that did not
+    reach the engine shows in the tokens generated."""
     text, events = "", 0
-    body = _body(prompt, MAX_TOKENS, stream=True)
+    body = _body(prompt, LONG if hang_up else MAX_TOKENS, stream=True)
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
@@ -103,11 +105,18 @@ def test_64_streams_with_16_hanging_up_equal_a_batch(server: Server) -> None:
             texts = [c["text"] for c in sorted(whole.json()["choices"], key=lambda c: c["index"])]
         return streamed, texts
 
+    before = _generated(server)
     streamed, expected = asyncio.run(main())
     assert sum(hang_up) == HANG_UPS
     for i, (got, want) in enumerate(zip(streamed, expected, strict=True)):
         assert got == (None if hang_up[i] else want), f"client {i}"
     _assert_idle(server)
+    finished = 2 * CLIENTS * MAX_TOKENS  # the streams that finished, and the batch, at most
+    assert _generated(server) - before < finished + HANG_UPS * LONG / 2, "hang-ups ran on"
+
+
+def _generated(server: Server) -> float:
+    return _metric(httpx.get(f"{server.url}/metrics").text, "generation_tokens_total")
 
 
 def _assert_idle(server: Server) -> None:
