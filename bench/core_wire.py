@@ -49,22 +49,32 @@ def _receive(conn: Connection) -> None:
         conn.send_bytes(b"!")
 
 
-def round_trip_us(outputs: list[RequestOutput], compact: bool, repeats: int) -> float:
+class Receiver:
+    """A second process that unpickles each message and answers with one byte."""
+
+    def __init__(self) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        self.conn, theirs = spawn.Pipe()
+        self._process = spawn.Process(target=_receive, args=(theirs,))
+        self._process.start()
+        theirs.close()
+
+    def close(self) -> None:
+        self.conn.send_bytes(b"")
+        self._process.join()
+
+
+def round_trip_us(
+    receiver: Receiver, outputs: list[RequestOutput], compact: bool, repeats: int
+) -> float:
     """A step's outputs as one message, there and answered, per output."""
-    ours, theirs = multiprocessing.get_context("spawn").Pipe()
-    receiver = multiprocessing.get_context("spawn").Process(target=_receive, args=(theirs,))
-    receiver.start()
-    theirs.close()
 
     def once() -> None:
         items = [wire.compact(o) for o in outputs] if compact else outputs
-        wire.send(ours, [(wire.OUTPUTS, items)])
-        ours.recv_bytes()
+        wire.send(receiver.conn, [(wire.OUTPUTS, items)])
+        receiver.conn.recv_bytes()
 
-    best = _best(once, repeats)
-    ours.send_bytes(b"")
-    receiver.join()
-    return best * 1e6 / len(outputs)
+    return _best(once, repeats) * 1e6 / len(outputs)
 
 
 def sides_us(outputs: list[RequestOutput], compact: bool, repeats: int) -> tuple[float, float]:
@@ -111,13 +121,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "output | round trip, us per output |",
         "|---|---|---|---|---|",
     ]
+    receiver = Receiver()
     for count in args.outputs:
         outputs = step_outputs(count)
         for compact in (False, True):
             core, api = sides_us(outputs, compact, args.repeats)
-            trip = round_trip_us(outputs, compact, args.repeats)
+            trip = round_trip_us(receiver, outputs, compact, args.repeats)
             written = "compact tuple" if compact else "RequestOutput"
             lines.append(f"| {count} | {written} | {core:.2f} | {api:.2f} | {trip:.2f} |")
+    receiver.close()
     command = "python bench/core_wire.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = "\n".join(
         [

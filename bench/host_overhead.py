@@ -126,7 +126,11 @@ def measure(
     return per_step
 
 
-ENGINE_PLACES = {"core": [], "in-process": ["--engine-in-process"]}  # --served-engine
+ENGINE_PLACES = {  # --served-engine: where the served engine runs, and the server's processes
+    "core": [],
+    "in-process": ["--engine-in-process"],
+    "core-2-api": ["--api-server-count", "2"],
+}
 
 
 def served_steps_per_second(
@@ -243,9 +247,10 @@ def parser() -> argparse.ArgumentParser:
         "--served-engine",
         nargs="+",
         choices=tuple(ENGINE_PLACES),
-        default=list(ENGINE_PLACES),
+        default=["core", "in-process"],
         help="where the served engine runs: its own process (core, the default of xlaserve "
-        "serve) or a thread of the server's (in-process); each is measured, side by side",
+        "serve; core-2-api: behind two API server processes) or a thread of the server's "
+        "(in-process); each is measured, side by side",
     )
     p.add_argument("--port", type=int, default=8751)
     p.add_argument("--write-results", action="store_true")
