@@ -80,6 +80,7 @@ class EngineCoreClient:
         self._call_ids = itertools.count()
         self._status: wire.CoreStatus | None = None
         self._heard = self._busy_since = time.monotonic()  # when the core last spoke
+        self._status_at = self._heard  # when its last status came
         self._dead = ""  # why the core is gone, once it is
         self._stopping = False
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -115,10 +116,10 @@ class EngineCoreClient:
         now = time.monotonic()
         with self._lock:
             status, heard, busy = self._status, self._heard, bool(self._streams or self._calls)
-            since = max(heard, self._busy_since)
+            since, status_at = max(heard, self._busy_since), self._status_at
         slowest = status.slowest_step_s if status is not None else 0.0
         timeout = self._step_timeout or max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * slowest)
-        age = (status.last_step_age_s if status is not None else 0.0) + now - heard
+        age = (status.last_step_age_s if status is not None else 0.0) + now - status_at
         reason = self._stop_reason(status)
         if not reason and busy and now - since > timeout:
             reason = (
@@ -259,6 +260,7 @@ class EngineCoreClient:
         elif kind == wire.STATUS:
             with self._lock:
                 self._status, self._heard = message[1], time.monotonic()
+                self._status_at = self._heard
         elif kind == wire.REFUSED:
             with self._lock:
                 stream = self._streams.pop(message[1], None)
