@@ -126,19 +126,28 @@ def measure(
     return per_step
 
 
+ENGINE_PLACES = {  # --served-engine: where the served engine runs, and the server's processes
+    "core": [],
+    "in-process": ["--engine-in-process"],
+    "core-2-api": ["--api-server-count", "2"],
+}
+
+
 def served_steps_per_second(
-    model_dir: Path, running: int, port: int, window: float, log_dir: Path
+    model_dir: Path, running: int, port: int, window: float, log_dir: Path, place: str = "core"
 ) -> float:
-    """Engine steps per second behind the HTTP server while `running` clients stream."""
+    """Engine steps per second behind the HTTP server while `running` clients stream, with
+    the engine in its own process (`core`) or on a thread of the server's (`in-process`)."""
     command = [
         sys.executable, "-m", "serving.cli", "serve", "--model", str(model_dir),
         "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", str(running),
         "--max-num-batched-tokens", str(max(running, 32)), "--max-model-len", "512",
         "--warm-up", "eager", "--max-queued-requests", str(running),
         "--compilation-cache-dir", str(baselines.CACHE / "xla-host-overhead"),
+        *ENGINE_PLACES[place],
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    log = log_dir / f"host-overhead-serve-{running}.log"
+    log = log_dir / f"host-overhead-serve-{place}-{running}.log"
     with baselines.server_process(command, url + "/health", log, timeout=1800):
         return asyncio.run(_stream_and_sample(url, running, window))
 
@@ -197,14 +206,18 @@ def table(rows: dict[int, dict[str, float]]) -> list[str]:
     return lines
 
 
-def served_table(rows: dict[int, dict[str, float]], served: dict[int, float]) -> list[str]:
+def served_table(
+    rows: dict[int, dict[str, float]], served: dict[tuple[str, int], float]
+) -> list[str]:
     lines = [
-        "| streaming clients | offline steps/s | served steps/s | served / offline |",
-        "|---|---|---|---|",
+        "| streaming clients | engine | offline steps/s | served steps/s | served / offline |",
+        "|---|---|---|---|---|",
     ]
-    for running, steps in served.items():
+    for (place, running), steps in served.items():
         offline = 1e3 / rows[running]["step"]
-        lines.append(f"| {running} | {offline:.1f} | {steps:.1f} | {steps / offline:.2f} |")
+        lines.append(
+            f"| {running} | {place} | {offline:.1f} | {steps:.1f} | {steps / offline:.2f} |"
+        )
     return lines
 
 
@@ -230,6 +243,15 @@ def parser() -> argparse.ArgumentParser:
         help="running sizes to measure behind the server too (none: skip)",
     )
     p.add_argument("--window", type=float, default=5.0, help="seconds sampled behind the server")
+    p.add_argument(
+        "--served-engine",
+        nargs="+",
+        choices=tuple(ENGINE_PLACES),
+        default=["core", "in-process"],
+        help="where the served engine runs: its own process (core, the default of xlaserve "
+        "serve; core-2-api: behind two API server processes) or a thread of the server's "
+        "(in-process); each is measured, side by side",
+    )
     p.add_argument("--port", type=int, default=8751)
     p.add_argument("--write-results", action="store_true")
     return p
@@ -256,8 +278,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = {n: measure(engine, clock, n, args.steps, args.warm_steps) for n in args.running}
     engine.close()
     served = {
-        n: served_steps_per_second(model_dir, n, args.port, args.window, model_dir)
+        (place, n): served_steps_per_second(model_dir, n, args.port, args.window, model_dir, place)
         for n in args.served
+        for place in args.served_engine
     }
     command = "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = "\n".join(

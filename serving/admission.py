@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from engine.errors import InvalidRequestError, XlaserveError
 
@@ -49,17 +51,37 @@ class Admission:
         self.release()
 
 
+class Counter(Protocol):
+    """A count and the lock that guards it: `multiprocessing.Value("i")` (shared by the API
+    server processes of one engine: `--api-server-count`) or `LocalCounter`."""
+
+    value: int
+
+    def get_lock(self) -> AbstractContextManager[Any]: ...
+
+
+class LocalCounter:
+    """A Counter for one process."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def get_lock(self) -> AbstractContextManager[Any]:
+        return self._lock
+
+
 class AdmissionLimit:
     """At most `max_running + max_queued` requests admitted at once (see the module's
-    docstring); beyond it `admit` raises ServerBusyError."""
+    docstring); beyond it `admit` raises ServerBusyError. `counter`: where the admitted are
+    counted; one shared by several processes holds the limit across all of them."""
 
-    def __init__(self, max_running: int, max_queued: int):
+    def __init__(self, max_running: int, max_queued: int, counter: Counter | None = None):
         if max_running < 1 or max_queued < 0:
             raise ValueError(f"need {max_running=} >= 1 and {max_queued=} >= 0")
         self.max_running = max_running
         self.max_queued = max_queued
-        self._lock = threading.Lock()
-        self._admitted = 0
+        self._counter = counter if counter is not None else LocalCounter()
 
     @property
     def capacity(self) -> int:
@@ -67,7 +89,7 @@ class AdmissionLimit:
 
     @property
     def num_admitted(self) -> int:
-        return self._admitted
+        return self._counter.value
 
     def admit(self, num_requests: int = 1) -> Admission:
         """Counts `num_requests` in, or raises ServerBusyError if that would pass the limit;
@@ -78,16 +100,17 @@ class AdmissionLimit:
                 f"{self.capacity} at once",
                 param="prompt",
             )
-        with self._lock:
-            if self._admitted + num_requests > self.capacity:
+        with self._counter.get_lock():
+            admitted = self._counter.value
+            if admitted + num_requests > self.capacity:
                 raise ServerBusyError(
-                    f"server busy: {self._admitted} requests are running or waiting, the limit "
+                    f"server busy: {admitted} requests are running or waiting, the limit "
                     f"is {self.max_running} running + {self.max_queued} waiting; retry in "
                     f"{RETRY_AFTER_S} s"
                 )
-            self._admitted += num_requests
+            self._counter.value = admitted + num_requests
         return Admission(lambda: self._give_back(num_requests))
 
     def _give_back(self, num_requests: int) -> None:
-        with self._lock:
-            self._admitted -= num_requests
+        with self._counter.get_lock():
+            self._counter.value -= num_requests

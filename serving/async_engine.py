@@ -185,6 +185,12 @@ class AsyncEngine:
 
         self._post(abort, even_if_dead=True)
 
+    def compilations(self) -> int:
+        """XLA compilations in this process (the engine's)."""
+        from engine import compilation
+
+        return compilation.count()
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops taking requests, lets running ones finish for up to `timeout` seconds, then
         aborts the rest and stops the loop."""

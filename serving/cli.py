@@ -40,6 +40,7 @@ log = logging.getLogger("xlaserve")
 
 if TYPE_CHECKING:
     from engine.structured.spec import StructuredOutputs
+    from serving.serve import ServeOptions
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -209,6 +210,19 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         default=256,
         help="compiled structured-output grammars kept (least recently used dropped first)",
     )
+    serve.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        help="API server processes in front of the engine core process, sharing the port and "
+        "the --max-queued-requests limit (gRPC is served by the first)",
+    )
+    serve.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine loop on a thread of the API server's process instead of in an "
+        "engine core process of its own (multi-process engines always do)",
+    )
     _add_parallel_args(serve)
     _add_lora_args(serve)
     serve.set_defaults(run=_serve)
@@ -309,9 +323,19 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from serving.serve import ServeOptions, run_serve
+    from serving.serve import run_serve
 
-    options = ServeOptions(
+    try:
+        options = _serve_options(args)
+    except ValueError as e:
+        raise XlaserveError(str(e)) from e
+    return run_serve(serve_config(args), options)
+
+
+def _serve_options(args: argparse.Namespace) -> ServeOptions:
+    from serving.serve import ServeOptions
+
+    return ServeOptions(
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
@@ -324,8 +348,9 @@ def _serve(args: argparse.Namespace) -> int:
         verbose=args.verbose,
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,
+        engine_in_process=args.engine_in_process,
+        api_server_count=args.api_server_count,
     )
-    return run_serve(serve_config(args), options)
 
 
 def serve_config(args: argparse.Namespace) -> EngineConfig:

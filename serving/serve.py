@@ -1,18 +1,24 @@
 """`xlaserve serve`: the OpenAI-compatible HTTP server (and gRPC, with --grpc-port).
 
-The HTTP server starts first, answering /health with 503 while the model loads and compiles on
-a thread of its own; then the engine is attached and a log line gives the address. SIGTERM or
-Ctrl-C stops taking connections, lets running requests finish for --shutdown-timeout seconds,
-then cancels (aborting) what is left and stops the engine loop.
+The HTTP server starts first, answering /health with 503 while the model loads and compiles
+(in the engine core process, serving/processes.py; with --engine-in-process on a thread of the
+server's own); then the engine is attached and a log line gives the address. SIGTERM or Ctrl-C
+stops taking connections, lets running requests finish for --shutdown-timeout seconds, then
+cancels (aborting) what is left and stops the engine loop. An engine that dies (its process
+gone, or a multi-process engine's follower) turns /health to 503, and the server exits with
+status 1 and one line saying why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import logging
 import math
+import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Generator
@@ -23,15 +29,17 @@ from typing import Any
 
 import uvicorn
 
-from engine.builder import build_engine, run_follower, start_processes
 from engine.config import EngineConfig
 from engine.errors import XlaserveError
-from serving.admission import AdmissionLimit
+from serving import processes
+from serving.admission import AdmissionLimit, Counter
 from serving.async_engine import AsyncEngine
+from serving.core_client import EngineCoreClient
+from serving.engine_core import name_process
+from serving.front import Front
 from serving.openai import attach_engine, create_app
 from serving.openai.tool_use import ChatSettings
 from serving.openai.tools import chat_template
-from sharding import multihost
 
 log = logging.getLogger("xlaserve.serve")
 ENGINE_STOP_TIMEOUT = 5.0  # after the HTTP side drained, what the engine loop still gets
@@ -55,19 +63,98 @@ class ServeOptions:
     verbose: bool = False
     chat_template: str | None = None  # a shipped template's name or a jinja file
     tool_call_parser: str | None = None  # hermes, llama3_json, pythonic; None: no tools
+    engine_in_process: bool = False  # the engine on a thread here, not in a core process
+    api_server_count: int = 1  # API server processes (with the engine in a core process)
+
+    def __post_init__(self) -> None:
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
+        if self.api_server_count > 1 and self.engine_in_process:
+            raise ValueError("--api-server-count above 1 needs the engine in its own process")
 
 
 def run_serve(config: EngineConfig, options: ServeOptions) -> int:
     """Serves until SIGTERM or Ctrl-C; returns the exit status. In a multi-process engine only
     process 0 serves; the others run the steps it sends until it stops."""
     log.setLevel(logging.DEBUG if options.verbose else logging.INFO)
+    if options.engine_in_process or processes.multi_process_engine(config):
+        return _run_in_process(config, options)
+    counter = processes.shared_counter() if options.api_server_count > 1 else None
+    app, admission = _app(config, options, counter)
+    server = _Server(_uvicorn_config(app, options))
+    sock = server.config.bind_socket() if options.api_server_count > 1 else None
+    core = processes.start_core(config, options.api_server_count, options.verbose)
+    others = processes.ApiServers(run_api_server, core.conns[1:], sock, (config, options, counter))
+
+    def connect() -> Front:
+        conn, timeout = core.conns[0], options.step_timeout
+        return EngineCoreClient.connect(conn, process=core.process, step_timeout=timeout)
+
+    try:
+        sockets = [sock] if sock is not None else None
+        return asyncio.run(_serve(options, app, server, admission, connect, others, sockets))
+    finally:
+        if core.process.is_alive():  # it never connected (the server stopped while loading)
+            core.process.kill()
+            core.process.join()
+
+
+def run_api_server(
+    index: int,
+    conn: Any,
+    sock: Any,
+    config: EngineConfig,
+    options: ServeOptions,
+    counter: Counter | None,
+) -> None:
+    """An API server process beyond the first (spawned): HTTP on the shared socket, over the
+    core at `conn`; SIGTERM (passed on by the first) drains it. It exits with status 1, and
+    leaves the one line to the first, when the engine dies."""
+    logging.basicConfig(
+        level=logging.DEBUG if options.verbose else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first passes a Ctrl-C on as SIGTERM
+    name_process(f"xlaserve-api-{index}")
+    options = dataclasses.replace(options, grpc_port=None)  # gRPC: the first's alone
+    app, admission = _app(config, options, counter)
+    server = _Server(_uvicorn_config(app, options), signals=(signal.SIGTERM,))
+
+    def connect() -> Front:
+        return EngineCoreClient.connect(conn, step_timeout=options.step_timeout)
+
+    serve = _serve(options, app, server, admission, connect, None, [sock], first=False)
+    try:
+        sys.exit(asyncio.run(serve))
+    except XlaserveError:  # the engine did not load: the first API server says why
+        sys.exit(1)
+
+
+def _run_in_process(config: EngineConfig, options: ServeOptions) -> int:
+    from engine.builder import build_engine, run_follower, start_processes
+
     if not start_processes(config):
         run_follower(config)
         return 0
-    # One limit for HTTP and gRPC: running (every replica's) plus waiting requests.
+    app, admission = _app(config, options, None)
+    server = _Server(_uvicorn_config(app, options))
+
+    def load() -> Front:
+        return AsyncEngine(build_engine(config), step_timeout=options.step_timeout)
+
+    serve = _serve(options, app, server, admission, load, None, None, exit_at_once=True)
+    return asyncio.run(serve)
+
+
+def _app(
+    config: EngineConfig, options: ServeOptions, counter: Counter | None
+) -> tuple[Any, AdmissionLimit]:
+    # One limit for HTTP and gRPC (and every API server): running (every replica's) plus
+    # waiting requests.
     admission = AdmissionLimit(
         config.scheduler.max_num_seqs * config.parallel.layout.num_replicas,
         options.max_queued_requests,
+        counter,
     )
     app = create_app(
         None,
@@ -78,7 +165,11 @@ def run_serve(config: EngineConfig, options: ServeOptions) -> int:
         allow_lora_updating=config.lora is not None and config.lora.allow_runtime_updating,
         chat_settings=_chat_settings(options),
     )
-    server_config = uvicorn.Config(
+    return app, admission
+
+
+def _uvicorn_config(app: Any, options: ServeOptions) -> uvicorn.Config:
+    return uvicorn.Config(
         app,
         host=options.host,
         port=options.port,
@@ -86,8 +177,6 @@ def run_serve(config: EngineConfig, options: ServeOptions) -> int:
         timeout_graceful_shutdown=math.ceil(options.shutdown_timeout),
         lifespan="off",
     )
-    server = _Server(server_config)
-    return asyncio.run(_serve(config, options, app, server, admission))
 
 
 def _chat_settings(options: ServeOptions) -> ChatSettings:
@@ -99,16 +188,25 @@ def _chat_settings(options: ServeOptions) -> ChatSettings:
 
 
 async def _serve(
-    config: EngineConfig,
     options: ServeOptions,
     app: Any,
     server: _Server,
     admission: AdmissionLimit,
+    load_front: Callable[[], Front],
+    others: processes.ApiServers | None,
+    sockets: list[socket.socket] | None,
+    *,
+    first: bool = True,
+    exit_at_once: bool = False,
 ) -> int:
+    """Serves HTTP (and gRPC) over the front `load_front` returns once it has loaded. A fatal
+    engine error returns 1 after one line on stderr (from the first API server), or, with
+    `exit_at_once` (a multi-process engine, whose exit barrier would wait for a dead peer),
+    ends the process at once."""
     loop = asyncio.get_running_loop()
     loaded: dict[str, Any] = {}
 
-    def on_loaded(async_engine: AsyncEngine) -> None:
+    def on_loaded(async_engine: Front) -> None:
         loaded["engine"] = async_engine
         attach_engine(app, async_engine)
         loaded["watch"] = asyncio.create_task(_watch_fatal(async_engine, on_fatal))
@@ -118,12 +216,13 @@ async def _serve(
             except Exception as e:  # e.g. the port is taken
                 on_failed(e)
                 return
-        log.info(
-            "serving %s at http://%s:%d (OpenAI API under /v1)",
-            options.served_model_name,
-            options.host,
-            options.port,
-        )
+        if first:
+            log.info(
+                "serving %s at http://%s:%d (OpenAI API under /v1)",
+                options.served_model_name,
+                options.host,
+                options.port,
+            )
 
     def on_failed(error: BaseException) -> None:
         loaded["error"] = error
@@ -135,13 +234,15 @@ async def _serve(
 
     def load() -> None:
         try:
-            async_engine = AsyncEngine(build_engine(config), step_timeout=options.step_timeout)
+            async_engine = load_front()
         except BaseException as e:
             loop.call_soon_threadsafe(on_failed, e)
         else:
             loop.call_soon_threadsafe(on_loaded, async_engine)
 
     def stop_grpc() -> None:
+        if others is not None:
+            others.stop()  # they drain while this one does
         handle = loaded.pop("grpc", None)
         if handle is not None:
             handle.stop(grace=options.shutdown_timeout)
@@ -149,13 +250,18 @@ async def _serve(
     # gRPC drains while HTTP does: the signal starts its stop at once.
     server.on_exit = threading.Thread(target=stop_grpc, name="grpc-stop", daemon=True)
     threading.Thread(target=load, name="model-loader", daemon=True).start()
-    await server.serve()
+    await server.serve(sockets)
     if server.on_exit.ident is None:
         server.on_exit.start()
     await asyncio.to_thread(server.on_exit.join)
     if "fatal" in loaded:
-        print(f"xlaserve: error: {loaded['error']}", file=sys.stderr)
-        multihost.exit_now(1)
+        if first:
+            print(f"xlaserve: error: {loaded['error']}", file=sys.stderr)
+        if exit_at_once:
+            _exit_now(1)
+        return 1
+    if others is not None:
+        await asyncio.to_thread(others.join, options.shutdown_timeout + ENGINE_STOP_TIMEOUT)
     if "engine" in loaded:
         await asyncio.to_thread(loaded["engine"].shutdown, ENGINE_STOP_TIMEOUT)
     if "error" in loaded:
@@ -164,9 +270,15 @@ async def _serve(
     return 0
 
 
-async def _watch_fatal(
-    async_engine: AsyncEngine, on_fatal: Callable[[BaseException], None]
-) -> None:
+def _exit_now(status: int) -> None:
+    """Ends the process at once (a multi-process engine's exit barrier would wait for a dead
+    peer; see sharding.multihost.exit_now)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+async def _watch_fatal(async_engine: Front, on_fatal: Callable[[BaseException], None]) -> None:
     """Calls `on_fatal` once the engine says it can never serve again (a process of a
     multi-process engine died); it is polled from here because the engine loop may be stuck."""
     while True:
@@ -177,7 +289,7 @@ async def _watch_fatal(
         await asyncio.sleep(FATAL_POLL_SECONDS)
 
 
-def _start_grpc(async_engine: AsyncEngine, options: ServeOptions, admission: AdmissionLimit) -> Any:
+def _start_grpc(async_engine: Front, options: ServeOptions, admission: AdmissionLimit) -> Any:
     if importlib.util.find_spec("serving.grpc.server") is None:
         raise XlaserveError("--grpc-port given, but this build has no gRPC server")
     from serving.grpc.server import start_grpc_server
@@ -201,6 +313,12 @@ class _Server(uvicorn.Server):
 
     on_exit: threading.Thread | None = None
 
+    def __init__(
+        self, config: uvicorn.Config, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
+    ):
+        super().__init__(config)
+        self.signals = signals
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit and self.on_exit is not None:
             # Not started here: starting a thread inside a signal handler can break threading.
@@ -216,8 +334,7 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        signals = (signal.SIGINT, signal.SIGTERM)
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in self.signals}
         try:
             yield
         finally:

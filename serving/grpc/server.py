@@ -38,7 +38,8 @@ from grpc_reflection.v1alpha import reflection
 from engine.errors import InvalidRequestError
 from engine.request import RequestOutput
 from serving.admission import RETRY_AFTER_S, AdmissionLimit, ServerBusyError
-from serving.async_engine import AsyncEngine, EngineDeadError
+from serving.async_engine import EngineDeadError
+from serving.front import Front
 from serving.grpc.convert import (
     check_token_ids,
     prompt_from_proto,
@@ -56,7 +57,7 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 class GenerationService(pb2_grpc.GenerationServicer):
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: Front,
         served_model_name: str,
         admission: AdmissionLimit | None = None,  # None: every request is admitted
     ):
@@ -173,7 +174,7 @@ class AioGrpcServer:
 
 
 async def serve_grpc(
-    async_engine: AsyncEngine,
+    async_engine: Front,
     port: int,
     served_model_name: str,
     *,
@@ -203,7 +204,7 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-async def _watch_health(engine: AsyncEngine, servicer: health.aio.HealthServicer) -> None:
+async def _watch_health(engine: Front, servicer: health.aio.HealthServicer) -> None:
     """Keeps the health status in step with the engine loop (NOT_SERVING once it is dead)."""
     while True:
         await _set_health(servicer, engine.is_healthy)
@@ -260,7 +261,7 @@ class GrpcServerHandle:
 
 
 def start_grpc_server(
-    async_engine: AsyncEngine,
+    async_engine: Front,
     port: int,
     served_model_name: str,
     *,

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
 from serving.admission import AdmissionLimit
-from serving.async_engine import AsyncEngine
+from serving.front import Front
 from serving.openai import chat, completions, lora
 from serving.openai.errors import APIError, BodySizeLimit, install_error_handlers
 from serving.openai.metrics import CONTENT_TYPE
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(
-    async_engine: AsyncEngine | None,
+    async_engine: Front | None,
     served_model_name: str,
     *,
     api_key: str | None = None,
@@ -64,7 +64,7 @@ def _mount_chat_page(app: FastAPI) -> None:
     mount_chat_page(app)
 
 
-def attach_engine(app: FastAPI, async_engine: AsyncEngine) -> None:
+def attach_engine(app: FastAPI, async_engine: Front) -> None:
     """Makes a loaded engine serve (the app answers 503 "loading" until then)."""
     _state_of(app).attach(async_engine)
 

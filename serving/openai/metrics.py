@@ -29,8 +29,14 @@ class _EngineCollector(Collector):
     """Reads the engine's counters at scrape time (plain ints and lengths: safe to read from
     the server thread while the engine thread steps)."""
 
-    def __init__(self, engine: Callable[[], Engine | None], model_name: str):
+    def __init__(
+        self,
+        engine: Callable[[], Engine | None],
+        model_name: str,
+        compilations: Callable[[], int],
+    ):
         self._engine = engine
+        self._compilations = compilations
         self._labels = {"model_name": model_name}
 
     def collect(self) -> Iterator[Metric]:
@@ -57,7 +63,7 @@ class _EngineCollector(Collector):
             ("generation_tokens", "Tokens generated.", stats.num_generation_tokens),
             ("num_preemptions", "Requests preempted for lack of KV pages.",
              stats.num_preemptions),
-            ("compilations", "XLA compilations in this process.", compilation.count()),
+            ("compilations", "XLA compilations in the engine's process.", self._compilations()),
             ("compilations_after_warmup", "XLA compilations in this process after the engine "
              "compiled every step variant (0 while it warms up); more than 0 means a request "
              "waited for a compilation.", stats.compilations_after_warm_up),
@@ -121,9 +127,10 @@ class ServerMetrics:
         engine: Callable[[], Engine | None],
         model_name: str,
         loop_health: Callable[[], LoopHealth | None] = lambda: None,
+        compilations: Callable[[], int] = compilation.count,
     ):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engine, model_name, compilations))
         self.registry.register(_LoopCollector(loop_health, model_name))
         self._started = time.monotonic()
         self._startup: dict[str, float] = {}

@@ -20,7 +20,8 @@ from engine.request import (
 )
 from engine.tokenizer import Tokenizer
 from serving.admission import Admission, AdmissionLimit
-from serving.async_engine import AsyncEngine, LoopHealth
+from serving.async_engine import LoopHealth
+from serving.front import Front
 from serving.openai.errors import APIError
 from serving.openai.metrics import ServerMetrics
 from serving.openai.tool_use import ChatSettings
@@ -47,16 +48,21 @@ class ServerState:
         self.limits = limits
         self.chat = chat or ChatSettings()
         self.created = int(time.time())
-        self.async_engine: AsyncEngine | None = None
-        self.metrics = ServerMetrics(self._engine, served_model_name, self._loop_health)
+        self.async_engine: Front | None = None
+        self.metrics = ServerMetrics(
+            self._engine, served_model_name, self._loop_health, self._compilations
+        )
 
-    def attach(self, async_engine: AsyncEngine) -> None:
+    def attach(self, async_engine: Front) -> None:
         self.async_engine = async_engine
         self._model_info = async_engine.engine.model_info()
         self.metrics.healthy()
 
     def _engine(self) -> Engine | None:
         return self.async_engine.engine if self.async_engine is not None else None
+
+    def _compilations(self) -> int:
+        return self.async_engine.compilations() if self.async_engine is not None else 0
 
     def _loop_health(self) -> LoopHealth | None:
         return self.async_engine.health() if self.async_engine is not None else None
@@ -72,7 +78,7 @@ class ServerState:
             return model
         raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
-    def ready(self) -> tuple[AsyncEngine, Tokenizer]:
+    def ready(self) -> tuple[Front, Tokenizer]:
         """503 (with the reason) while loading, and while the engine loop is dead, stopping or
         stalled (see AsyncEngine.health)."""
         if self.async_engine is None:
