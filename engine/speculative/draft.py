@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from engine.batch import pick_bucket, sampling_tensors
@@ -118,13 +117,22 @@ class DraftModelProposer:
         return True
 
     def _sampler(self, s: int) -> Any:
+        """The compiled `draft_sample_step` for S bucket `s`."""
         if s not in self._samplers:
             info = self.runner.compiled.get(self._first_forward(s)).out_info[0].logits
-            logits = jax.ShapeDtypeStruct(info.shape, info.dtype)
-            tensors = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), sampling_tensors([], s, 0)
-            )
-            self._samplers[s] = jitted_draft_sample.lower(logits, tensors).compile()
+            vocab = info.shape[-1]
+
+            def like(x: Any) -> jax.ShapeDtypeStruct:
+                return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+            self._samplers[s] = jitted_draft_sample.lower(
+                like(info),
+                jax.tree.map(like, sampling_tensors([], s, 0)),
+                like(np.int32(0)),
+                like(np.zeros((s, self.k), np.int32)),
+                jax.ShapeDtypeStruct((s, self.k, vocab), np.float32),
+                num_fed=pick_bucket(s, self.runner.shapes.token_buckets),
+            ).compile()
         return self._samplers[s]
 
     def _first_forward(self, s: int) -> Variant:
@@ -140,24 +148,23 @@ class DraftModelProposer:
         logits, batch = self._forward_known(out, kv)
         s = batch.kv_lens.shape[0]
         sample = self._sampler(s)
-        t = jax.device_put(batch.sampling)
-        token, probs = sample(logits, t)
-        tokens, dists = [token], [probs]
+        vocab = self.runner.cfg.vocab_size
+        t, drafts, probs = jax.device_put(
+            (
+                batch.sampling,
+                np.zeros((s, self.k), np.int32),
+                np.zeros((s, self.k, vocab), np.float32),
+            )
+        )
         known = np.zeros(s, np.int64)
         known[: len(out.scheduled)] = [x.num_known_tokens for x in out.scheduled]
         room = np.zeros(s, np.int64)
         room[: len(rooms)] = rooms
-        for j in range(1, self.k + 1):
-            logits = self._forward_one(tokens[-1], batch, known, room, j)
-            if j < self.k:
-                shifted = dataclasses.replace(t, output_index=t.output_index + j)
-                token, probs = sample(logits, shifted)
-                tokens.append(token)
-                dists.append(probs)
-        drafts = np.asarray(jnp.stack(tokens, axis=1))  # i32[S, K]
-        return Proposals(
-            [drafts[i, :r].tolist() for i, r in enumerate(rooms)], jnp.stack(dists, axis=1)
-        )
+        for j in range(self.k):
+            drafts, probs, fed = sample(logits, t, jax.device_put(np.int32(j)), drafts, probs)
+            logits = self._forward_one(fed, batch, known, room, j + 1)
+        host = np.asarray(drafts)  # i32[S, K]
+        return Proposals([host[i, :r].tolist() for i, r in enumerate(rooms)], probs)
 
     def _forward_known(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[Any, StepInput]:
         """The draft's forward over the step's known tokens; its logits at each sequence's
@@ -175,7 +182,7 @@ class DraftModelProposer:
 
     def _forward_one(
         self,
-        tokens: jax.Array,  # i32[S]: each sequence's proposal j
+        fed: jax.Array,  # i32[T]: each sequence's proposal j, padded to the token bucket
         batch: StepInput,
         known: np.ndarray,  # i[S]: each sequence's known tokens
         room: np.ndarray,  # i[S]: proposals it may make
@@ -200,7 +207,6 @@ class DraftModelProposer:
             num_seqs=np.int32(s),
         )
         forward = runner.compiled.get(Variant("forward", tokens=t, seqs=s))
-        fed = jnp.pad(tokens, (0, t - s)) if t > s else tokens
         placed, meta, rows = jax.device_put(
             (_pad(positions, t, 0), meta, np.arange(s, dtype=np.int32))
         )

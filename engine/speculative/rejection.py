@@ -24,6 +24,7 @@ Shapes: S sequences, K proposals per sequence, V vocabulary, N = S * (K + 1), L 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,4 +282,27 @@ def verify_step(
 
 
 jitted_verify = jax.jit(verify_step, static_argnames=("apply_penalties", "num_top_logprobs"))
-jitted_draft_sample = jax.jit(draft_sample)
+
+
+def draft_sample_step(
+    logits: jax.Array,  # f32[S, V]: the draft's logits for proposal j
+    t: SamplingTensors,  # S rows; output_index: the first proposal's
+    j: jax.Array,  # i32[]
+    drafts: jax.Array,  # i32[S, K]
+    probs: jax.Array,  # f32[S, K, V]
+    *,
+    num_fed: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # i32[S, K], f32[S, K, V], i32[num_fed]
+    """Draws proposal j (`draft_sample` at output index + j) into column j of `drafts` and
+    `probs`, and returns it padded to `num_fed` tokens, to be fed to the draft's next step."""
+    shifted = dataclasses.replace(t, output_index=jnp.asarray(t.output_index) + j)
+    tokens, q = draft_sample(logits, shifted)
+    drafts = jax.lax.dynamic_update_slice(drafts, tokens[:, None], (0, j))
+    probs = jax.lax.dynamic_update_slice(probs, q[:, None].astype(probs.dtype), (0, j, 0))
+    fed = jnp.zeros(num_fed, jnp.int32).at[: tokens.shape[0]].set(tokens)
+    return drafts, probs, fed
+
+
+jitted_draft_sample = jax.jit(
+    draft_sample_step, static_argnames=("num_fed",), donate_argnames=("drafts", "probs")
+)

@@ -11,6 +11,8 @@ probability under 1e-3 over the choice of seeds; the seeds are fixed, so a run i
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,14 +69,23 @@ def oracle(
     return probs / probs.sum()
 
 
+@functools.partial(jax.jit, static_argnames="penalties")
+def _probs(logits, t, drafts, *, penalties: bool):
+    rows = expand_tensors(t, drafts, apply_penalties=penalties)
+    truncated, greedy = target_logits(logits, rows, apply_penalties=penalties)
+    return target_probs(truncated, greedy, rows.temperature)
+
+
+sample = jax.jit(rejection_sample, static_argnames="apply_penalties")
+
+
 def sampler_probs(logits: np.ndarray, setting: dict, drafts: np.ndarray, **extra) -> np.ndarray:
     """The sampler's target p at every position: f32[S, K+1, V] for logits [S*(K+1), V]."""
     num_seqs, k = drafts.shape
     t = make_sampling_tensors(num_seqs, **setting, **extra)
     penalties = "frequency_penalty" in extra
-    rows = expand_tensors(t, jnp.asarray(drafts), apply_penalties=penalties)
-    truncated, greedy = target_logits(jnp.asarray(logits), rows, apply_penalties=penalties)
-    return np.asarray(target_probs(truncated, greedy, rows.temperature)).reshape(num_seqs, k + 1, V)
+    probs = _probs(jnp.asarray(logits), t, jnp.asarray(drafts), penalties=penalties)
+    return np.asarray(probs).reshape(num_seqs, k + 1, V)
 
 
 def drafts_for(kind: str, p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -192,7 +203,6 @@ def test_sampled_runs_follow_the_target(setting):
     logits = np.stack([np.stack([l0, l1[a], l0]) for a in d1]).reshape(-1, V).astype(np.float32)
     q = np.stack([np.stack([q0, q1[a]]) for a in d1]).astype(np.float32)
     t = make_sampling_tensors(n, seeds=np.arange(n, dtype=np.uint32), **cfg)
-    sample = jax.jit(rejection_sample, static_argnames="apply_penalties")
     tokens, emitted = sample(
         jnp.asarray(logits), t, jnp.asarray(drafts), jnp.full(n, 2, jnp.int32), jnp.asarray(q),
         apply_penalties=False,
@@ -232,7 +242,7 @@ def test_draft_equal_to_target_gives_the_plain_tokens_whatever_the_batch():
         t = make_sampling_tensors(
             len(order), seeds=seeds[order], output_index=index[order], **setting
         )
-        tokens, emitted = rejection_sample(
+        tokens, emitted = sample(
             jnp.asarray(logits[order].reshape(-1, V)), t, jnp.asarray(drafts[order]),
             jnp.full(len(order), k, jnp.int32), jnp.asarray(q[order]), apply_penalties=False,
         )  # fmt: skip
@@ -256,7 +266,7 @@ def test_greedy_accepts_the_argmax_prefix_then_emits_the_argmax():
             drafts[s, j] = (best[s, j] + 1) % V
     num_drafts = np.array([4, 4, 4, 4, 4, 2], np.int32)
     t = make_sampling_tensors(num_seqs, temperature=0.0)
-    tokens, emitted = rejection_sample(
+    tokens, emitted = sample(
         jnp.asarray(logits.reshape(-1, V)), t, jnp.asarray(drafts.astype(np.int32)),
         jnp.asarray(num_drafts), apply_penalties=False,
     )  # fmt: skip
