@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
 
 import jax
 
@@ -99,7 +99,7 @@ def _engines(
     grammars = GrammarCompiler(tokenizer, checkpoint.cfg.vocab_size, config.structured)
     grammars.prepare()
     engine = functools.partial(
-        LLMEngine if config.speculative is None else SpeculativeEngine,
+        _engine_class(config),
         checkpoint.cfg,
         tokenizer=tokenizer,
         grammars=grammars,
@@ -108,7 +108,6 @@ def _engines(
         attention_impl=config.compilation.attention_impl,
         warm_up=warm_up,
         lora_config=config.lora,
-        **_speculative_args(config),
     )
     if config.lora is not None and (multi or layout.num_replicas > 1):
         raise XlaserveError("LoRA adapters over several processes or replicas are not supported")
@@ -129,16 +128,18 @@ def _engines(
     return replicas[0] if len(replicas) == 1 else DataParallelEngine(replicas)
 
 
-def _speculative_args(config: EngineConfig) -> dict[str, Any]:
-    """The SpeculativeEngine's own arguments: its config, and the draft model's config and
-    weights (read now) for method draft_model."""
+def _engine_class(config: EngineConfig) -> Callable[..., LLMEngine]:
+    """LLMEngine, or with speculative decoding a SpeculativeEngine given its config and, for
+    method draft_model, the draft model's config and weights (read now)."""
     spec = config.speculative
     if spec is None:
-        return {}
+        return LLMEngine
     if spec.model is None:
-        return {"speculative": spec}
+        return functools.partial(SpeculativeEngine, speculative=spec)
     draft = open_checkpoint(resolve_model(spec.model), dtype=config.dtype)
-    return {"speculative": spec, "draft": (draft.cfg, draft.load_params())}
+    return functools.partial(
+        SpeculativeEngine, speculative=spec, draft=(draft.cfg, draft.load_params())
+    )
 
 
 def _devices(layout: ShardingLayout) -> list[jax.Device] | None:

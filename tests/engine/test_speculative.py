@@ -80,7 +80,7 @@ def prompts(seed: int, count: int) -> list[list[int]]:
     proposals; longer than a step's token budget (chunked prefill)."""
     rng = random.Random(seed)
     out = []
-    for i in range(count):
+    for _ in range(count):
         pattern = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randrange(2, 6))]
         out.append([*(pattern * 15)[:30], rng.randrange(VOCAB_SIZE)])
     return out
