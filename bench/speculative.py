@@ -177,7 +177,7 @@ def main() -> int:
 
         args.model = str(write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny"))
         args.requests, args.max_tokens, args.max_chars, args.random_prompt_len = 2, 8, 40, 16
-        args.max_num_batched_tokens, args.max_model_len, args.num_pages = 32, 128, 64
+        args.max_num_batched_tokens, args.max_model_len, args.num_pages = 32, 256, 64
     spec = SpeculativeConfig(
         "ngram",
         args.num_speculative_tokens,

@@ -19,10 +19,12 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine.errors import XlaserveError
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
 from engine.speculative import ngram
 from engine.speculative.engine import SpeculativeEngine
+from serving import cli
 from serving.openai.metrics import ServerMetrics
 from tests.conftest import PAGE
 from tests.engine.tiny_model import VOCAB_SIZE, write_tiny_checkpoint
@@ -198,6 +200,12 @@ def test_speculative_config_parses_vllm_json():
         SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}')
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig("ngram", 2, prompt_lookup_min=4, prompt_lookup_max=3)
+    flag = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    assert cli.serve_config(cli._parser().parse_args(flag)).speculative == SpeculativeConfig(
+        "ngram", 2
+    )
+    with pytest.raises(XlaserveError, match="not valid JSON"):
+        cli.serve_config(cli._parser().parse_args(["serve", "--speculative-config", "{"]))
 
 
 # ---- draft_model --------------------------------------------------------------------------
