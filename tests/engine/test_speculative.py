@@ -24,6 +24,7 @@ from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
 from engine.speculative import ngram
 from engine.speculative.engine import SpeculativeEngine
+from engine.structured.spec import StructuredOutputs
 from serving import cli
 from serving.openai.metrics import ServerMetrics
 from tests.conftest import PAGE
@@ -168,6 +169,26 @@ def test_seeded_sampling_is_independent_of_the_batch(spec3):
     alone = [run(spec3, [p], [sp])[0] for p, sp in zip(batch[:2], params[:2], strict=True)]
     for a, t in zip(alone, together[:2], strict=True):
         assert a.outputs[0].token_ids == t.outputs[0].token_ids
+    assert_idle(spec3)
+
+
+def test_structured_output_rides_along_without_proposals(spec3, engine: LLMEngine):
+    """A regex-constrained request in the same verification steps as a speculating one: it
+    proposes nothing, its mask applies at its one scored position, and both give the plain
+    engine's output."""
+    batch = prompts(1, 2)
+    params = [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(
+            temperature=0, max_tokens=12, structured_outputs=StructuredOutputs(regex="[a-c]{6}")
+        ),
+    ]
+    want = run(engine, batch, params)
+    before = spec3.stats().spec_decode_num_drafts
+    got = run(spec3, batch, params)
+    assert [g.outputs[0].text for g in got] == [w.outputs[0].text for w in want]
+    assert len(got[1].outputs[0].text) == 6
+    assert spec3.stats().spec_decode_num_drafts > before
     assert_idle(spec3)
 
 
