@@ -136,7 +136,7 @@ class BatchBuilder:
             request, start, n = scheduled.request, scheduled.start, scheduled.num_new_tokens
             table = np.asarray(kv_cache.page_table(request.request_id), np.int32)
             pos = np.arange(start, start + n, dtype=np.int32)
-            token_ids[offset : offset + n] = request.all_token_ids[start : start + n]
+            token_ids[offset : offset + n] = scheduled.token_ids
             positions[offset : offset + n] = pos
             slots[offset : offset + n] = table[pos // self.page_size] * self.page_size + (
                 pos % self.page_size

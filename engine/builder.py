@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -21,6 +22,7 @@ from engine.data_parallel import DataParallelEngine
 from engine.errors import XlaserveError
 from engine.llm_engine import LLMEngine
 from engine.protocol import Engine
+from engine.speculative.engine import SpeculativeEngine
 from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import Tokenizer, load_tokenizer
 from engine.weights import Checkpoint, open_checkpoint, resolve_model
@@ -90,10 +92,14 @@ def _engines(
     multi = jax.process_count() > 1
     # Replicas and followers must hold every step before the first one runs.
     warm_up = config.compilation.warm_up == "eager" or multi or layout.num_replicas > 1
+    if config.speculative is not None and (multi or layout.num_devices > 1):
+        raise XlaserveError(
+            "speculative decoding over several devices or processes is not supported yet"
+        )
     grammars = GrammarCompiler(tokenizer, checkpoint.cfg.vocab_size, config.structured)
     grammars.prepare()
     engine = functools.partial(
-        LLMEngine,
+        _engine_class(config),
         checkpoint.cfg,
         tokenizer=tokenizer,
         grammars=grammars,
@@ -120,6 +126,20 @@ def _engines(
         replicas.append(engine(params, mesh=mesh, layout=layout))
     replicas[0].on_close(grammars.close)  # shared by the replicas; DataParallelEngine closes all
     return replicas[0] if len(replicas) == 1 else DataParallelEngine(replicas)
+
+
+def _engine_class(config: EngineConfig) -> Callable[..., LLMEngine]:
+    """LLMEngine, or with speculative decoding a SpeculativeEngine given its config and, for
+    method draft_model, the draft model's config and weights (read now)."""
+    spec = config.speculative
+    if spec is None:
+        return LLMEngine
+    if spec.model is None:
+        return functools.partial(SpeculativeEngine, speculative=spec)
+    draft = open_checkpoint(resolve_model(spec.model), dtype=config.dtype)
+    return functools.partial(
+        SpeculativeEngine, speculative=spec, draft=(draft.cfg, draft.load_params())
+    )
 
 
 def _devices(layout: ShardingLayout) -> list[jax.Device] | None:

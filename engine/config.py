@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from sharding.layout import ShardingLayout
@@ -329,6 +330,76 @@ class LoRAConfig:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative/), vLLM's `--speculative-config` shape.
+
+    `ngram`: proposals copied from the request's own prompt and output after the longest
+    suffix of `prompt_lookup_min`..`prompt_lookup_max` tokens seen before. Speculation is off
+    for a step with more than `disable_by_batch_size` running sequences, and for a request
+    whose acceptance rate after `acceptance_window` proposed tokens is below
+    `min_acceptance_rate`. `draft_model`: proposals sampled from `model`, a smaller model
+    with the target's tokenizer, run in the same engine with its own paged cache.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None  # draft_model: the smaller model, same tokenizer
+    disable_by_batch_size: int = 4
+    min_acceptance_rate: float = 0.1
+    acceptance_window: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("a draft model (`model`) goes with method 'draft_model' only")
+        if self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}"
+            )
+        if not 0 <= self.min_acceptance_rate <= 1:
+            raise ValueError(
+                f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}"
+            )
+        if self.acceptance_window < 1:
+            raise ValueError(f"acceptance_window must be >= 1, got {self.acceptance_window}")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """From `--speculative-config`'s JSON object; ValueError names a bad or unknown key."""
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+        if not isinstance(fields, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown --speculative-config keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise ValueError(f"--speculative-config: {e}") from e
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `engine.builder.build_engine` needs, in one hashable value.
@@ -347,6 +418,7 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     lora: LoRAConfig | None = None  # None: no adapters (--enable-lora off)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -210,6 +210,18 @@ class KVCacheManager:
             if page != RELEASED:
                 self._release(page)
 
+    def shrink(self, request_id: str, num_tokens: int) -> int:
+        """Gives back the request's tail pages that hold none of its first `num_tokens` tokens
+        (speculative proposals that were rejected); returns how many. Those pages are past the
+        computed tokens, so none is in the prefix cache."""
+        table = self._tables.get(request_id, [])
+        keep = -(-num_tokens // self.page_size)
+        released = 0
+        while len(table) > keep and len(table) > len(self._chains.get(request_id, ())):
+            self._release(table.pop())
+            released += 1
+        return released
+
     def release_behind_window(self, request_id: str, num_computed_tokens: int) -> int:
         """With a sliding window, frees the request's pages that the next token (at position
         `num_computed_tokens`) and all later ones cannot see; returns how many.

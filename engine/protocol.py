@@ -51,6 +51,12 @@ class EngineStats:
     num_kv_pages: int = 0  # pages of the KV cache (of each replica)
     weight_bytes: int = 0  # the parameters' bytes (of one replica, all shards)
     kv_cache_bytes: int = 0  # the KV cache's bytes (of one replica, all shards)
+    # Speculative decoding (vLLM's names): proposals verified, tokens proposed, tokens
+    # accepted, and accepted tokens by position in the proposal (empty: speculation is off).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,25 @@ class ScheduledRequest:
     request: Request
     start: int
     num_new_tokens: int
+    # Speculative proposals scored after the request's last known token (engine/speculative/):
+    # the last `len(draft_token_ids)` of the new tokens; not counted as computed by this step.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def completes_sequence(self) -> bool:
         """Whether this step reaches the request's last known token, so its sample is kept."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.num_known_tokens == self.request.num_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """The tokens computed up to the end of this step, proposals excluded."""
+        return self.start + self.num_new_tokens - len(self.draft_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step feeds to the model."""
+        tokens = self.request.all_token_ids[self.start : self.num_known_tokens]
+        return tokens + list(self.draft_token_ids)
 
 
 @dataclass
@@ -216,7 +230,7 @@ class Scheduler:
         completed = []
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens = s.start + s.num_new_tokens
+            request.num_computed_tokens = s.num_known_tokens
             self.kv_cache.commit_full_pages(
                 request.request_id,
                 request.all_token_ids,

@@ -27,6 +27,7 @@ from engine.config import (
     ParallelConfig,
     QuantizationConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputConfig,
 )
 from engine.errors import XlaserveError
@@ -426,6 +427,9 @@ def _engine_config(
             ),
             lora=lora(),
             structured=structured or StructuredOutputConfig(),
+            speculative=SpeculativeConfig.from_json(args.speculative_config)
+            if args.speculative_config
+            else None,
         )
     except (ValueError, OSError) as e:
         raise XlaserveError(str(e)) from e
@@ -507,6 +511,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--compilation-cache-dir",
         default=DEFAULT_CACHE_DIR,
         help="persistent XLA compilation cache ('' to disable)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": '
+        '3, "prompt_lookup_min": 2, "prompt_lookup_max": 5} (also disable_by_batch_size, '
+        "min_acceptance_rate, acceptance_window)",
     )
 
 

@@ -68,10 +68,31 @@ class _EngineCollector(Collector):
              "compiled every step variant (0 while it warms up); more than 0 means a request "
              "waited for a compilation.", stats.compilations_after_warm_up),
         ]  # fmt: skip
+        if stats.spec_decode_num_accepted_tokens_per_pos:
+            counters += [
+                ("spec_decode_num_drafts", "Speculative proposals verified.",
+                 stats.spec_decode_num_drafts),
+                ("spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+                 stats.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+                 stats.spec_decode_num_accepted_tokens),
+            ]  # fmt: skip
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
+        if stats.spec_decode_num_accepted_tokens_per_pos:
+            yield self._per_position(stats.spec_decode_num_accepted_tokens_per_pos)
+
+    def _per_position(self, accepted: tuple[int, ...]) -> Metric:
+        family = CounterMetricFamily(
+            "xlaserve:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by position in the proposal (0 first).",
+            labels=[*self._labels, "position"],
+        )
+        for position, count in enumerate(accepted):
+            family.add_metric([*self._labels.values(), str(position)], count)
+        return family
 
     def _family(self, kind: type[Any], name: str, doc: str, value: float) -> Metric:
         family = kind(f"xlaserve:{name}", doc, labels=list(self._labels))

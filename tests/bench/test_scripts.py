@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    "script", ["startup.py", "weights_dtype.py", "host_overhead.py", "structured.py"]
+    "script",
+    ["startup.py", "weights_dtype.py", "host_overhead.py", "structured.py", "speculative.py"],
 )
 def test_help(script: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -41,3 +42,18 @@ def test_lora_smoke() -> None:
     )
     assert "| spread over 4 adapters |" in done.stdout
     assert "| adapter read and written into a slot first |" in done.stdout
+
+
+def test_speculative_smoke() -> None:
+    """bench/speculative.py end to end on a tiny random model (the real run is SmolLM2's)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "speculative.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
+    assert "| copy-heavy | 1 | ngram k=3 |" in done.stdout
+    assert "| random | 4 | off |" in done.stdout

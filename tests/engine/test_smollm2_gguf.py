@@ -131,3 +131,40 @@ def test_no_compilation_after_warm_up_for_any_mix_of_features(smollm2_engine, hf
     assert compilation.count() == before
     for prompt, tokens in greedy_outputs:
         assert tokens == hf_greedy(model, prompt, 8)
+
+
+def test_ngram_speculation_keeps_greedy_output(smollm2_engine, files, ours) -> None:
+    """Speculative decoding (n-gram, k = 3) on the real model: 64 prompts, many of which repeat
+    text the model then copies, give the plain engine's greedy tokens, token for token, with
+    proposals accepted along the way (compiled lazily: only the shapes it meets)."""
+    from engine.config import SpeculativeConfig
+    from engine.speculative.engine import SpeculativeEngine
+
+    cfg, params = ours
+    spec = SpeculativeEngine(
+        cfg,
+        params,
+        load_tokenizer(files.path),
+        speculative=SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3),
+        cache_config=CacheConfig(num_pages=64),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128
+        ),
+        warm_up=False,
+    )
+    words = ["red", "green", "blue", "one", "two", "three", "cat", "dog"]
+    prompts = [
+        f"Repeat after me: {words[i % 8]} {words[(i + 3) % 8]} {words[(i * 5) % 8]}, "
+        f"{words[i % 8]} {words[(i + 3) % 8]} {words[(i * 5) % 8]},"
+        for i in range(64)
+    ]
+    params_ = SamplingParams(temperature=0, max_tokens=10)
+    outputs = []
+    for engine in (smollm2_engine, spec):
+        ids = [f"copy-{id(engine)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            engine.add_request(request_id, prompt, params_)
+        outputs.append([o.outputs[0].token_ids for o in run_to_completion(engine, ids)])
+    assert outputs[1] == outputs[0]
+    assert spec.stats().spec_decode_num_accepted_tokens > 0
+    assert spec.kv_cache.num_free_pages == spec.kv_cache.num_pages

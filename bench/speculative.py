@@ -1,0 +1,222 @@
+"""Speculative decoding (n-gram), side by side in one run on one model: output tokens/s with
+speculation off and on, single stream and at a concurrency of 4, on a copy-heavy workload
+(edit a given source file; summarise a document quoting it) and on random prompts, with the
+acceptance rate by position in the proposal.
+
+    .venv/bin/python bench/speculative.py [--model smollm2-135m] [--num-speculative-tokens 3]
+        [--requests 8] [--max-tokens 256] [--write-results]
+    .venv/bin/python bench/speculative.py --smoke      # a tiny random model, seconds
+
+Both engines are built first (compiled ahead: no compilation inside a timed run); each run is
+a closed loop that keeps C requests in flight until its requests are done, greedy, and reports
+output tokens per second over the whole run. Targets (issue #22): >= 1.8x on the copy-heavy
+single stream, >= 0.95x on random prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the checkout's root holds `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common, datasets
+from engine.builder import build_engine
+from engine.chat_template import apply_chat_template
+from engine.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from serving.cli import DEFAULT_CACHE_DIR
+
+TITLE = "Speculative decoding (bench/speculative.py)"
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ["engine/kv_cache.py", "engine/output_processor.py", "engine/scheduler.py"]
+DOCUMENTS = ["README.md", "engine/sampling.py"]
+
+
+@dataclass
+class Run:
+    workload: str
+    concurrency: int
+    speculative: bool
+    seconds: float
+    output_tokens: int
+    accepted: tuple[int, ...]  # accepted tokens by position in this run
+    drafts: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def copy_heavy_prompts(engine: LLMEngine, n: int, max_chars: int) -> list[list[int]]:
+    """Chat prompts that ask to reproduce most of a given text: edit a source file (rename
+    its first function everywhere), or summarise a document quoting its sentences."""
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            text = (ROOT / SOURCES[i // 2 % len(SOURCES)]).read_text()[:max_chars]
+            ask = "Rewrite this file with every `self.` renamed to `this.`; output the whole file."
+        else:
+            text = (ROOT / DOCUMENTS[i // 2 % len(DOCUMENTS)]).read_text()[:max_chars]
+            ask = "Summarise this document, quoting its most important sentences word for word."
+        message = f"{ask}\n\n```\n{text}\n```"
+        rendered = apply_chat_template(engine.tokenizer, [{"role": "user", "content": message}])
+        out.append(engine.tokenizer.encode(rendered, add_special_tokens=False))
+    return out
+
+
+def random_prompts(engine: LLMEngine, n: int, length: int, vocab: int) -> list[list[int]]:
+    requests = datasets.random_requests(engine.tokenizer, n, (length, length), (1, 1), vocab, 0)
+    return [engine.tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]
+
+
+def closed_loop(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int
+) -> tuple[float, int]:
+    queue = list(enumerate(prompts))
+    tokens = 0
+    start = time.perf_counter()
+    while queue or engine.has_unfinished_requests():
+        while queue and engine.num_unfinished_requests() < concurrency:
+            i, ids = queue.pop(0)
+            engine.add_request(f"bench-{time.perf_counter()}-{i}", ids, params)
+        for output in engine.step():
+            tokens += sum(len(c.token_ids) for c in output.outputs)
+    return time.perf_counter() - start, tokens
+
+
+def measure(
+    engine: LLMEngine, workload: str, prompts: list[list[int]], c: int, max_tokens: int
+) -> Run:
+    before = engine.stats()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    seconds, tokens = closed_loop(engine, prompts, params, c)
+    after = engine.stats()
+    accepted = tuple(
+        a - b
+        for a, b in zip(
+            after.spec_decode_num_accepted_tokens_per_pos,
+            before.spec_decode_num_accepted_tokens_per_pos,
+            strict=True,
+        )
+    )
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    speculative = bool(after.spec_decode_num_accepted_tokens_per_pos)
+    return Run(workload, c, speculative, seconds, tokens, accepted, drafts)
+
+
+def build(args: argparse.Namespace, speculative: SpeculativeConfig | None) -> LLMEngine:
+    engine = build_engine(
+        EngineConfig(
+            args.model,
+            cache=CacheConfig(page_size=16, num_pages=args.num_pages),
+            scheduler=SchedulerConfig(
+                max_num_seqs=4, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len,
+            ),
+            compilation=CompilationConfig(
+                cache_dir=DEFAULT_CACHE_DIR, warm_up="lazy" if args.smoke else "eager"
+            ),
+            speculative=speculative,
+        )
+    )  # fmt: skip
+    assert isinstance(engine, LLMEngine), "one engine (no data parallelism) for this benchmark"
+    return engine
+
+
+def table(runs: list[Run], k: int) -> list[str]:
+    plain = {(r.workload, r.concurrency): r for r in runs if not r.speculative}
+    lines = [
+        "| workload | concurrency | speculation | output tokens | seconds | output tokens/s | "
+        "speed-up | acceptance by position | mean accepted length |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        base = plain[(r.workload, r.concurrency)]
+        rates = ", ".join(f"{a / max(r.drafts, 1):.2f}" for a in r.accepted) or "-"
+        mean = f"{1 + sum(r.accepted) / r.drafts:.2f}" if r.drafts else "-"
+        spec = f"ngram k={k}" if r.speculative else "off"
+        lines.append(
+            f"| {r.workload} | {r.concurrency} | {spec} | {r.output_tokens} | {r.seconds:.1f} | "
+            f"{r.tokens_per_s:.1f} | {r.tokens_per_s / base.tokens_per_s:.2f}x | {rates} | {mean} |"
+        )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=8, help="per run")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-chars", type=int, default=2400, help="of each copied text")
+    parser.add_argument("--random-prompt-len", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--num-pages", type=int, default=1024)
+    parser.add_argument("--smoke", action="store_true", help="a tiny random model, few requests")
+    parser.add_argument("--write-results", action="store_true")
+    args = parser.parse_args()
+    if args.smoke:
+        from tests.engine.tiny_model import write_tiny_checkpoint
+
+        args.model = str(write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny"))
+        args.requests, args.max_tokens, args.max_chars, args.random_prompt_len = 2, 8, 40, 16
+        args.max_num_batched_tokens, args.max_model_len, args.num_pages = 32, 256, 64
+    spec = SpeculativeConfig(
+        "ngram",
+        args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+    )
+    engines = [build(args, None), build(args, spec)]
+    vocab = engines[0].model_info().vocab_size
+    workloads = {
+        "copy-heavy": copy_heavy_prompts(engines[0], args.requests, args.max_chars),
+        "random": random_prompts(engines[0], args.requests, args.random_prompt_len, vocab),
+    }
+    runs = [
+        measure(engine, name, prompts, c, args.max_tokens)
+        for name, prompts in workloads.items()
+        for c in (1, 4)
+        for engine in engines
+    ]
+    compilations = engines[1].stats().compilations_after_warm_up
+    lines = [
+        *common.preamble(
+            ".venv/bin/python bench/speculative.py " + " ".join(sys.argv[1:]),
+            {"jax": version("jax")},
+        ),
+        f"- workload: {args.requests} requests per run, greedy, {args.max_tokens} output tokens "
+        f"each (EOS ignored); n-gram lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}, "
+        f"auto-off above {spec.disable_by_batch_size} sequences",
+        "",
+        *table(runs, args.num_speculative_tokens),
+        "",
+        f"Targets: >= 1.8x copy-heavy single stream, >= 0.95x random; {compilations} XLA "
+        "compilations after warm-up in the speculative engine (lazy in --smoke).",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.write_results and not args.smoke:
+        common.write_section(TITLE, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Speculative decoding in the engine (engine/speculative/) on the tiny random Llama, against
+the shared plain engine as the oracle: greedy output token for token (k = 1, 3, 5; chunked
+prefill, prefix caching, preemption, n > 1, logprobs, stop strings and max_tokens inside an
+accepted run), seeded sampling independent of the batch, every page free at the end and no
+compilation after warm-up. The n-gram proposer against a brute-force search."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from engine.builder import build_engine
+from engine.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from engine.errors import XlaserveError
+from engine.llm_engine import LLMEngine, run_to_completion
+from engine.request import SamplingParams
+from engine.speculative import ngram
+from engine.speculative.engine import SpeculativeEngine
+from engine.structured.spec import StructuredOutputs
+from serving import cli
+from serving.openai.metrics import ServerMetrics
+from tests.conftest import PAGE
+from tests.engine.tiny_model import VOCAB_SIZE, write_tiny_checkpoint
+
+
+def brute_force_propose(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Longest n first; for each n the latest earlier occurrence followed by a token."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_proposals_match_a_brute_force_search():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        length = int(rng.integers(1, 40))
+        tokens = rng.integers(0, 3, length).astype(np.int32)
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 3))
+        k = int(rng.integers(1, 6))
+        got = ngram.propose(tokens, min_n=min_n, max_n=max_n, k=k).tolist()
+        assert got == brute_force_propose(tokens.tolist(), min_n, max_n, k), (tokens, min_n, max_n)
+
+
+def spec_engine(tiny, k: int, *, warm_up: bool, seqs: int, tokens: int, pages: int):
+    cfg, params, tokenizer = tiny
+    return SpeculativeEngine(
+        cfg,
+        params,
+        tokenizer,
+        speculative=SpeculativeConfig(
+            "ngram", k, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=seqs
+        ),
+        cache_config=CacheConfig(page_size=PAGE, num_pages=pages),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=96
+        ),
+        warm_up=warm_up,
+    )
+
+
+@pytest.fixture(scope="module")
+def spec3(tiny):
+    """k = 3, compiled ahead; 16 pages of 4 tokens, so that two long requests preempt."""
+    return spec_engine(tiny, 3, warm_up=True, seqs=2, tokens=8, pages=16)
+
+
+def prompts(seed: int, count: int) -> list[list[int]]:
+    """Repetitive prompts of 31 tokens (a short pattern repeated), so n-gram lookup finds
+    proposals; longer than a step's token budget (chunked prefill)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        pattern = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randrange(2, 6))]
+        out.append([*(pattern * 15)[:30], rng.randrange(VOCAB_SIZE)])
+    return out
+
+
+def run(engine, prompts_: list[list[int]], params: list[SamplingParams]):
+    ids = [f"r{i}-{random.random()}" for i in range(len(prompts_))]
+    for request_id, prompt, p in zip(ids, prompts_, params, strict=True):
+        engine.add_request(request_id, prompt, p)
+    return run_to_completion(engine, ids)
+
+
+def assert_idle(engine) -> None:
+    assert not engine.has_unfinished_requests()
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+
+
+def greedy_mix(count: int) -> list[SamplingParams]:
+    """Greedy requests whose max_tokens vary, so that many end inside an accepted run."""
+    return [SamplingParams(temperature=0, max_tokens=9 + 5 * (i % 4)) for i in range(count)]
+
+
+def test_greedy_equals_plain_greedy_and_compiles_nothing(spec3, engine: LLMEngine):
+    batch = prompts(1, 10)
+    params = greedy_mix(len(batch))
+    want = run(engine, batch, params)
+    before = spec3.stats()
+    got = run(spec3, batch, params)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    stats = spec3.stats()
+    assert stats.spec_decode_num_accepted_tokens > before.spec_decode_num_accepted_tokens
+    assert stats.num_preemptions > before.num_preemptions  # 16 pages for 2 long requests
+    assert stats.compilations_after_warm_up == 0
+    assert stats.prefix_cache_hits > 0  # the repeated prompts' pages
+    assert_idle(spec3)
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_greedy_equals_plain_greedy_for_other_k(tiny, engine: LLMEngine, k: int):
+    spec = spec_engine(tiny, k, warm_up=False, seqs=1, tokens=8, pages=64)
+    batch = prompts(3, 4)  # the tiny model copies some of these (accepted proposals)
+    params = greedy_mix(len(batch))
+    want = run(engine, batch, params)
+    got = run(spec, batch, params)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert spec.stats().spec_decode_num_accepted_tokens > 0
+    assert_idle(spec)
+
+
+def test_stop_strings_n_and_logprobs_inside_accepted_runs(spec3, engine: LLMEngine):
+    """Stop at a string the plain output contains mid-way; two greedy choices with logprobs."""
+    batch = prompts(7, 3)
+    plain = run(engine, batch, [SamplingParams(temperature=0, max_tokens=24)] * 3)
+    params = []
+    for out in plain:
+        text = out.outputs[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) > 4 else ()
+        params.append(SamplingParams(temperature=0, max_tokens=24, stop=stop, n=2, logprobs=2))
+    want = run(engine, batch, params)
+    got = run(spec3, batch, params)
+    for g, w in zip(got, want, strict=True):
+        for gc, wc in zip(g.outputs, w.outputs, strict=True):
+            assert (gc.text, gc.token_ids, gc.finish_reason) == (
+                wc.text,
+                wc.token_ids,
+                wc.finish_reason,
+            )
+            for ge, we in zip(gc.logprobs, wc.logprobs, strict=True):
+                assert ge.keys() == we.keys()
+                np.testing.assert_allclose(list(ge.values()), list(we.values()), atol=1e-4)
+    assert_idle(spec3)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(spec3):
+    batch = prompts(9, 4)
+    params = [
+        SamplingParams(temperature=0.8, top_k=20, seed=100 + i, max_tokens=16) for i in range(4)
+    ]
+    together = run(spec3, batch, params)
+    alone = [run(spec3, [p], [sp])[0] for p, sp in zip(batch[:2], params[:2], strict=True)]
+    for a, t in zip(alone, together[:2], strict=True):
+        assert a.outputs[0].token_ids == t.outputs[0].token_ids
+    assert_idle(spec3)
+
+
+def test_structured_output_rides_along_without_proposals(spec3, engine: LLMEngine):
+    """A regex-constrained request in the same verification steps as a speculating one: it
+    proposes nothing, its mask applies at its one scored position, and both give the plain
+    engine's output."""
+    batch = prompts(1, 2)
+    params = [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(
+            temperature=0, max_tokens=12, structured_outputs=StructuredOutputs(regex="[a-c]{6}")
+        ),
+    ]
+    want = run(engine, batch, params)
+    before = spec3.stats().spec_decode_num_drafts
+    got = run(spec3, batch, params)
+    assert [g.outputs[0].text for g in got] == [w.outputs[0].text for w in want]
+    assert len(got[1].outputs[0].text) == 6
+    assert spec3.stats().spec_decode_num_drafts > before
+    assert_idle(spec3)
+
+
+def test_abort_mid_run_frees_every_page(spec3):
+    spec3.add_request("abort-me", prompts(11, 1)[0], SamplingParams(temperature=0, max_tokens=20))
+    for _ in range(4):
+        spec3.step()
+    spec3.abort_request("abort-me")
+    assert_idle(spec3)
+
+
+def test_metrics_use_vllm_names(spec3):
+    text = ServerMetrics(lambda: spec3, "tiny").render().decode()
+    for name in (
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
+    ):
+        assert f"xlaserve:{name}" in text
+    assert 'position="2"' in text
+
+
+def test_speculative_config_parses_vllm_json():
+    config = SpeculativeConfig.from_json(
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    )
+    assert (config.num_speculative_tokens, config.prompt_lookup_max) == (4, 3)
+    with pytest.raises(ValueError, match="unknown"):
+        SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}')
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig("ngram", 2, prompt_lookup_min=4, prompt_lookup_max=3)
+    flag = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    assert cli.serve_config(cli._parser().parse_args(flag)).speculative == SpeculativeConfig(
+        "ngram", 2
+    )
+    with pytest.raises(XlaserveError, match="not valid JSON"):
+        cli.serve_config(cli._parser().parse_args(["serve", "--speculative-config", "{"]))
+
+
+# ---- draft_model --------------------------------------------------------------------------
+
+
+def test_a_draft_equal_to_the_target_gives_the_plain_seeded_tokens(tiny, engine: LLMEngine):
+    """The target as its own draft: proposals are drawn with the plain sampler's keys, so
+    every one is accepted and seeded sampling gives exactly the plain engine's tokens."""
+    cfg, params, tokenizer = tiny
+    spec = SpeculativeEngine(
+        cfg,
+        params,
+        tokenizer,
+        speculative=SpeculativeConfig("draft_model", 3, model="itself"),
+        draft=(cfg, params),
+        cache_config=CacheConfig(page_size=PAGE, num_pages=64),
+        scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8),
+        warm_up=False,
+    )
+    batch = prompts(13, 3)
+    params_ = [
+        SamplingParams(temperature=0.9, top_k=40, seed=7 + i, max_tokens=14) for i in range(3)
+    ]
+    want = run(engine, batch, params_)
+    got = run(spec, batch, params_)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    stats = spec.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert_idle(spec)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A 1-layer random draft with the tiny model's tokenizer."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("draft"), num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_draft_model_greedy_equals_plain_greedy(tiny_dir, draft_dir, engine: LLMEngine, k: int):
+    """Built from an EngineConfig as a server builds it (compiled lazily)."""
+    spec = build_engine(
+        EngineConfig(
+            str(tiny_dir),
+            cache=CacheConfig(page_size=PAGE, num_pages=64),
+            scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=96),
+            compilation=CompilationConfig(warm_up="lazy"),
+            speculative=SpeculativeConfig("draft_model", k, model=str(draft_dir)),
+        )
+    )
+    assert isinstance(spec, SpeculativeEngine)
+    batch = prompts(20 + k, 3)
+    params = greedy_mix(len(batch))
+    want = run(engine, batch, params)
+    got = run(spec, batch, params)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert spec.stats().spec_decode_num_draft_tokens > 0
+    assert_idle(spec)
+    spec.close()
