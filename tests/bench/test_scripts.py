@@ -41,3 +41,19 @@ def test_lora_smoke() -> None:
     )
     assert "| spread over 4 adapters |" in done.stdout
     assert "| adapter read and written into a slot first |" in done.stdout
+
+
+def test_host_overhead_smoke() -> None:
+    """bench/host_overhead.py's offline parts, (a) and (c), at two small sizes (no server)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "host_overhead.py"), "--running", "4", "16",
+         "--steps", "3", "--warm-steps", "1", "--served"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )  # fmt: skip
+    assert "| running seqs | schedule |" in done.stdout
+    assert "| running seqs | sync steps/s | async steps/s |" in done.stdout
