@@ -44,11 +44,11 @@ def test_lora_smoke() -> None:
 
 
 def test_host_overhead_smoke() -> None:
-    """bench/host_overhead.py's offline parts, (a) and (c), at two small sizes (no server)."""
+    """bench/host_overhead.py's offline parts, (a) and (c), at one small size (no server)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "host_overhead.py"), "--running", "4", "16",
-         "--steps", "3", "--warm-steps", "1", "--served"],
+        [sys.executable, str(ROOT / "bench" / "host_overhead.py"), "--running", "4",
+         "--steps", "2", "--warm-steps", "1", "--served"],
         capture_output=True,
         text=True,
         env=env,
