@@ -75,7 +75,11 @@ class BatchShapes:
 
 class BatchBuilder:
     """Fills two alternating sets of NumPy buffers (a buffer may still be aliased by the
-    device array of the step in flight, so the next step writes the other set)."""
+    device array of the step in flight, so the next step writes the other set).
+
+    A token still pending on the device (asynchronous scheduling) is read there: `token_src`
+    names its row among the tokens the previously built step samples, which this builder
+    remembers."""
 
     def __init__(self, shapes: BatchShapes, page_size: int, eos_token_ids: tuple[int, ...] = ()):
         self.shapes = shapes
@@ -83,6 +87,7 @@ class BatchBuilder:
         self.eos_token_ids = eos_token_ids[:MAX_EOS_IDS]
         self._buffers = [self._allocate(), self._allocate()]
         self._turn = 0
+        self._last_rows: dict[str, int] = {}  # request id -> its row in the last batch built
 
     def _allocate(self) -> dict[str, np.ndarray]:
         t, s, p = (
@@ -103,6 +108,7 @@ class BatchBuilder:
             "page_table": np.zeros((s, p), np.int32),
             "logits_indices": np.zeros(s, np.int32),
             "next_token_ids": np.full(t, -1, np.int32),
+            "token_src": np.full(t, -1, np.int32),
             "lora_slots": np.zeros(t, np.int32),
         }
 
@@ -128,20 +134,36 @@ class BatchBuilder:
         self._turn ^= 1
         token_ids, positions, slots = buf["token_ids"], buf["positions"], buf["slot_mapping"]
         cu_q_lens, kv_lens, page_table = buf["cu_q_lens"], buf["kv_lens"], buf["page_table"]
-        next_ids, lora_slots = buf["next_token_ids"], buf["lora_slots"]
+        next_ids, lora_slots, token_src = buf["next_token_ids"], buf["lora_slots"], buf["token_src"]
         next_ids[:t] = -1
+        token_src[:t] = -1
         offset = 0
+        rows = {}
         for i, scheduled in enumerate(out.scheduled):
             assert kv_cache is not None
             request, start, n = scheduled.request, scheduled.start, scheduled.num_new_tokens
-            table = np.asarray(kv_cache.page_table(request.request_id), np.int32)
-            pos = np.arange(start, start + n, dtype=np.int32)
-            token_ids[offset : offset + n] = scheduled.token_ids
-            positions[offset : offset + n] = pos
-            slots[offset : offset + n] = table[pos // self.page_size] * self.page_size + (
-                pos % self.page_size
-            )
-            page_table[i, : len(table)] = table
+            rows[request.request_id] = i
+            pages = kv_cache.page_table(request.request_id)
+            page_table[i, : len(pages)] = pages
+            # every token is known but a pending one (speculation is never asynchronous)
+            known = n if scheduled.draft_token_ids else min(request.num_tokens - start, n)
+            if n == 1:  # a decode, most rows of most steps: scalar writes, no NumPy temporaries
+                positions[offset] = start
+                slots[offset] = pages[start // self.page_size] * self.page_size + (
+                    start % self.page_size
+                )
+                token_ids[offset] = _token_at(request, start) if known else 0
+            else:
+                table = np.asarray(pages, np.int32)
+                pos = np.arange(start, start + n, dtype=np.int32)
+                token_ids[offset : offset + known] = scheduled.token_ids
+                positions[offset : offset + n] = pos
+                slots[offset : offset + n] = table[pos // self.page_size] * self.page_size + (
+                    pos % self.page_size
+                )
+            if known < n:  # the last token is pending: the previous step samples it
+                token_src[offset + known] = self._last_rows[request.request_id]
+                token_ids[offset + known] = 0
             if request.sampling_params.prompt_logprobs is not None:
                 following = request.prompt_token_ids[start + 1 : start + n + 1]
                 next_ids[offset : offset + len(following)] = following
@@ -150,6 +172,7 @@ class BatchBuilder:
             offset += n
             cu_q_lens[i + 1] = offset
         num_seqs = len(out.scheduled)
+        self._last_rows = rows
         token_ids[offset:t] = 0
         positions[offset:t] = 0
         slots[offset:t] = -1
@@ -171,6 +194,7 @@ class BatchBuilder:
             sampling=self._sampling(out, s, penalties=penalties),
             lora_slots=lora_slots[:t],
             token_bitmask=self._bitmask(buf["token_bitmask"], s),
+            token_src=token_src[:t],
         )
 
     def _bitmask(self, buffer: np.ndarray, s: int) -> np.ndarray | None:
@@ -183,6 +207,14 @@ class BatchBuilder:
         requests = [scheduled.request for scheduled in out.scheduled]
         penalty_len = self.shapes.penalty_len if penalties else 0
         return sampling_tensors(requests, s, penalty_len, self.eos_token_ids)
+
+
+def _token_at(request: Request, position: int) -> int:
+    """The request's token at `position` (without joining prompt and output)."""
+    prompt = request.prompt_token_ids
+    if position < len(prompt):
+        return prompt[position]
+    return request.output_token_ids[position - len(prompt)]
 
 
 def sampling_tensors(
@@ -224,7 +256,7 @@ def sampling_tensors(
         bias_ids=bias_ids,
         bias_values=bias_values,
         seeds=column([r.seed for r in requests], np.uint32, 0),
-        output_index=column([len(r.output_token_ids) for r in requests], np.int32, 0),
+        output_index=column([r.num_output_tokens_with_pending for r in requests], np.int32, 0),
         prompt_ids=prompt_ids,
         output_ids=output_ids,
     )
@@ -234,7 +266,7 @@ def _bias(request: Request, eos_token_ids: tuple[int, ...]) -> tuple[list[int], 
     """The user's logit bias, plus -inf on EOS and stop ids while min_tokens is not reached."""
     p = request.sampling_params
     bias = dict(p.logit_bias or {})
-    if len(request.output_token_ids) < p.min_tokens:
+    if request.num_output_tokens_with_pending < p.min_tokens:
         banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
         bias.update(dict.fromkeys(banned, -np.inf))
     return list(bias), list(bias.values())

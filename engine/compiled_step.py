@@ -24,13 +24,14 @@ from engine.scheduler import SchedulerOutput
 from engine.step import (
     ForwardOutput,
     StepOptions,
+    TokenCarry,
     attention_metadata,
     forward_step,
     jitted_forward,
     jitted_prompt_logprobs,
-    jitted_sample,
+    jitted_sample_carry,
     prompt_logprobs_step,
-    sample_step,
+    sample_carry_step,
 )
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class CompiledStep:
         # compiled on first use must not overwrite the batch that is about to run.
         self._examples = BatchBuilder(shapes, page_size)
         self._jits = self._jit(kv) if plan is not None else (
-            jitted_forward, jitted_sample, jitted_prompt_logprobs
+            jitted_forward, jitted_sample_carry, jitted_prompt_logprobs
         )  # fmt: skip
         self._compiled: dict[Variant, Any] = {}
 
@@ -91,8 +92,8 @@ class CompiledStep:
             out_shardings=(ForwardOutput(logits, plan.replicated), caches),
         )
         sample = jax.jit(
-            sample_step,
-            static_argnames=("apply_penalties", "num_top_logprobs"),
+            sample_carry_step,
+            static_argnames=("apply_penalties", "num_top_logprobs", "carry_width"),
             out_shardings=plan.replicated,
         )
         prompt = jax.jit(
@@ -140,10 +141,15 @@ class CompiledStep:
         empty = self._examples.build_padded(SchedulerOutput(), None, t, s, penalties=False)
         batch = jax.tree.map(self._like, empty)
         lora = None if self._lora is None else LoRAInputs(self._lora, batch.lora_slots)
+        carry = TokenCarry(self._like(self.empty_carry()), batch.token_src)
         return self._jits[0].lower(
             self._params, self._kv, batch.token_ids, batch.positions, attention_metadata(batch),
-            batch.logits_indices, lora, options=self.options,
+            batch.logits_indices, lora, carry, options=self.options,
         )  # fmt: skip
+
+    def empty_carry(self) -> np.ndarray:
+        """i32[C]: the sampled tokens of a step that carries none (before the first step)."""
+        return np.zeros(self.shapes.seq_buckets[-1], np.int32)
 
     def _lower_sample(self, s: int, penalties: bool) -> Any:
         penalty_len = self.shapes.penalty_len if penalties else 0
@@ -155,6 +161,7 @@ class CompiledStep:
             self._like(bitmask),
             apply_penalties=penalties,
             num_top_logprobs=MAX_LOGPROBS,
+            carry_width=self.shapes.seq_buckets[-1],
         )
 
     def _lower_prompt_logprobs(self, t: int) -> Any:

@@ -187,11 +187,14 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: per step, at most `max_num_seqs` sequences and
     `max_num_batched_tokens` tokens; `max_model_len` bounds prompt + output (None: the
-    model's, at most DEFAULT_MAX_MODEL_LEN; see `resolve`)."""
+    model's, at most DEFAULT_MAX_MODEL_LEN; see `resolve`). `async_scheduling`: step n+1 is
+    scheduled and dispatched while step n runs, its sampled tokens fed to it on the device
+    (engine/llm_engine.py); off: each step waits for the one before it."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -109,6 +109,10 @@ class KVCacheManager:
         """A copy of the request's pages in token order; empty for an unknown request."""
         return list(self._tables.get(request_id, ()))
 
+    def num_committed_pages(self, request_id: str) -> int:
+        """The request's leading pages registered in the prefix cache (or found there)."""
+        return len(self._chains.get(request_id, ()))
+
     def num_pages_needed(self, request_id: str, num_tokens: int, num_cached_pages: int = 0) -> int:
         """New pages `allocate` would take to hold `num_tokens` tokens in all."""
         if num_tokens < 0:

@@ -1,10 +1,20 @@
 """The engine loop: `LLMEngine.step()` is schedule -> run the compiled step -> record tokens ->
 stop checks -> deltas (each request's output holds only what the step added: see
 engine/request.py). Built by `engine.builder.build_engine`; the offline API is `engine.llm.LLM`.
+
+Asynchronous scheduling (SchedulerConfig.async_scheduling, vLLM's async scheduling and SGLang's
+overlap scheduler): step n+1 is scheduled, built and dispatched before the host reads step n's
+tokens. Those stay on the device and feed step n+1 there (`engine.step.TokenCarry`); the
+scheduler counts them as pending (`Request.num_pending_tokens`), and the host reads them while
+step n+1 runs. A sequence that step n's token stopped (or that was aborted meanwhile) has its
+token of step n+1 discarded: its pages are already free and nothing of it is handed out. A step
+whose tokens the next one needs on the host (a request with a grammar, whose next bitmask
+depends on them, or with penalties, which count them) is finished at once: a synchronous step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -72,11 +82,13 @@ class _Parent:
 
 @dataclass(frozen=True)
 class _Launched:
-    """A step started on the device."""
+    """A step started on the device; `before`: one started earlier, to be finished first."""
 
     out: SchedulerOutput
     completed: list[Request]
     pending: StepOutput
+    needs_host_tokens: bool = False  # the next step needs this one's tokens on the host
+    before: _Launched | None = None
 
 
 @dataclass
@@ -161,6 +173,9 @@ class LLMEngine:
         self._kv_cache_bytes = _nbytes(self.runner.kv_caches)
         self._failure: Health | None = None
         self._on_close: list[Callable[[], None]] = []
+        # Asynchronous scheduling (a switch tests flip between steps): the step in flight.
+        self.async_scheduling = self.scheduler_config.async_scheduling
+        self._in_flight: _Launched | None = None
         if warm_up:
             seconds = self.runner.warm_up()
             log.info("compiled %d step variants in %.1f s", self.runner.num_compiled, seconds)
@@ -345,11 +360,29 @@ class LLMEngine:
         return self.finish_step(launched) if launched is not None else []
 
     def launch_step(self) -> _Launched | None:
-        """Schedules and starts one step on the device (None: nothing to run); `finish_step`
-        waits for it. Data-parallel replicas launch all their steps, then finish them."""
+        """Schedules and starts one step on the device; returns the step(s) `finish_step` must
+        finish now (None: none). Synchronously, that is this step. Asynchronously, it is the
+        step before (it ran while this one was scheduled and built) and this one stays in
+        flight, unless the step after it needs its tokens on the host: then both are finished
+        now. Data-parallel replicas launch all their steps, then finish them."""
+        previous, self._in_flight = self._in_flight, None
+        launched = self._launch()
+        if launched is None:
+            return previous
+        if self.async_scheduling and not launched.needs_host_tokens:
+            self._in_flight = launched
+            return previous
+        return dataclasses.replace(launched, before=previous)
+
+    def _launch(self) -> _Launched | None:
+        """Schedules and dispatches one step (None: nothing to run); its sampled tokens count
+        as pending until it is finished."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return None
+        return self._dispatch(out) if out.scheduled else None
+
+    def _dispatch(self, out: SchedulerOutput) -> _Launched:
+        """Dispatches the scheduled step; its sampled tokens count as pending until it is
+        finished."""
         params = [s.request.sampling_params for s in out.scheduled]
         options = self.runner.options(
             penalties=any(p.uses_penalties for p in params),
@@ -360,16 +393,21 @@ class LLMEngine:
         # While the device computes: bookkeeping that needs the schedule but not the tokens
         # (computed counts, prefix-cache hashes of the pages this step fills).
         completed = self.scheduler.update_after_step(out)
-        return _Launched(out, completed, pending)
+        for request in completed:
+            request.num_pending_tokens += 1
+        needs_host = any(_needs_host_tokens(r) for r in completed)
+        return _Launched(out, completed, pending, needs_host)
 
     def finish_step(self, launched: _Launched) -> list[RequestOutput]:
+        """Waits for a launched step (and the one `before` it) and hands out what it added."""
+        earlier = [] if launched.before is None else self.finish_step(launched.before)
         out, completed = launched.out, launched.completed
         result = self.runner.fetch(launched.pending)
         if result.prompt is not None:
             _record_prompt_logprobs(out, result.prompt)
         self.counters.num_steps += 1
         self.counters.num_computed_prompt_tokens += _prompt_tokens_run(out)
-        return self._postprocess(out, completed, result)
+        return earlier + self._postprocess(out, completed, result)
 
     def _postprocess(
         self, out: SchedulerOutput, completed: list[Request], result: StepOutput
@@ -378,6 +416,9 @@ class LLMEngine:
         progressed: dict[str, tuple[_Parent, list[int]]] = {}
         now = time.monotonic()
         for request in completed:
+            request.num_pending_tokens -= 1
+            if request.is_finished:  # stopped by its last token, or aborted: this one is void
+                continue
             i = row[request.request_id]
             token = int(result.token_ids[i])
             request.output_token_ids.append(token)
@@ -429,6 +470,13 @@ class LLMEngine:
             arrival_time=first.arrival_time,
             scheduled_time=first.scheduled_time,
         )
+
+
+def _needs_host_tokens(request: Request) -> bool:
+    """Whether the request's next step needs its last token on the host: its grammar's next
+    bitmask, or its penalties' counts, depend on it."""
+    params = request.sampling_params
+    return params.structured_outputs is not None or params.uses_penalties
 
 
 def _nbytes(tree: Any) -> int:

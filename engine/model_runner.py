@@ -27,7 +27,7 @@ from engine.models.layers import Params, stack_layers
 from engine.models.lora import LoRAInputs
 from engine.request import MAX_LOGPROBS
 from engine.scheduler import SchedulerOutput
-from engine.step import StepInput, StepOptions, StepOutput, attention_metadata
+from engine.step import StepInput, StepOptions, StepOutput, TokenCarry, attention_metadata
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
 from sharding.layout import ShardingLayout
 from sharding.multihost import put_replicated
@@ -139,6 +139,8 @@ class ModelRunner:
             self.options(), self.shapes, self.page_size, self.params, self.kv_caches,
             None if self.lora is None else self.lora.weights,
         )  # fmt: skip
+        # i32[C]: the last step's sampled tokens, on the device, for the next step's inputs.
+        self._carry = self._put(self.compiled.empty_carry())
         # Called with each batch before it runs (a multi-process leader sends it to followers).
         self.before_step: Callable[[StepInput, StepOptions], None] | None = None
         # Read by the serving side: how long warm-up took, and the process's XLA compilation
@@ -282,13 +284,15 @@ class ModelRunner:
         host = dataclasses.replace(batch, token_bitmask=None)  # sent once it is filled
         placed, want_logprobs = self._put((host, np.bool_(options.num_top_logprobs > 0)))
         lora = None if self.lora is None else LoRAInputs(self.lora.weights, placed.lora_slots)
+        carry = TokenCarry(self._carry, placed.token_src)
         out, self.kv_caches = forward(
             self.params, self.kv_caches, placed.token_ids, placed.positions,
-            attention_metadata(placed), placed.logits_indices, lora,
+            attention_metadata(placed), placed.logits_indices, lora, carry,
         )  # fmt: skip
         if fill_bitmask is not None:
             fill_bitmask(batch.token_bitmask)
-        sampled = sample(out.logits, placed.sampling, want_logprobs, self._put(batch.token_bitmask))
+        bitmask = self._put(batch.token_bitmask)
+        sampled, self._carry = sample(out.logits, placed.sampling, want_logprobs, bitmask)
         prompt_out = None
         if prompt is not None:
             prompt_out = prompt(self.params, out.hidden, placed.next_token_ids)

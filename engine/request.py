@@ -146,10 +146,22 @@ class Request:
     lora_name: str | None = None  # the adapter it runs with (None: the base model)
     lora_slot: int = 0  # the adapter's device slot while it runs (0: the base model)
     cache_salt: bytes = b""  # mixed into its prefix-cache page hashes (the adapter's identity)
+    # Tokens sampled by a step still in flight (asynchronous scheduling: 0 or 1), counted by
+    # the scheduler but not in output_token_ids until the host reads them.
+    num_pending_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Known tokens plus those still on the device: what the next step continues from."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def num_output_tokens_with_pending(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -39,8 +39,9 @@ class ScheduledRequest:
 
     @property
     def completes_sequence(self) -> bool:
-        """Whether this step reaches the request's last known token, so its sample is kept."""
-        return self.num_known_tokens == self.request.num_tokens
+        """Whether this step reaches the request's last token (one still pending on the device
+        counts; proposals do not), so its sample is kept."""
+        return self.num_known_tokens == self.request.num_tokens_with_pending
 
     @property
     def num_known_tokens(self) -> int:
@@ -49,7 +50,8 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        """The tokens this step feeds to the model."""
+        """The tokens this step feeds to the model that the host knows (a pending one is not
+        among them), then the proposals."""
         tokens = self.request.all_token_ids[self.start : self.num_known_tokens]
         return tokens + list(self.draft_token_ids)
 
@@ -134,7 +136,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if _surely_finished(request, self.config.model_len):
+                i += 1  # its pending token is its last: the step after it would be discarded
+                continue
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             total = request.num_computed_tokens + num_new
             while self.kv_cache.allocate(request.request_id, total) is None:
                 victim = self.running.pop()  # lowest priority, newest
@@ -160,8 +165,8 @@ class Scheduler:
     ) -> None:
         while self._waiting and budget > 0:
             request = self._waiting[0][3]
-            if request in out.preempted:  # preempted in this step: it waits for the next
-                return
+            if request in out.preempted or request.num_pending_tokens:  # preempted this step
+                return  # (its last token not read yet): it waits for the next
             if not self.adapter_ready(request):  # the requests behind it may go first
                 passed_over.append(heapq.heappop(self._waiting))
                 continue
@@ -231,16 +236,23 @@ class Scheduler:
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens = s.num_known_tokens
-            self.kv_cache.commit_full_pages(
-                request.request_id,
-                request.all_token_ids,
-                request.num_computed_tokens,
-                request.cache_salt,
-            )
+            # A page holding a pending token is hashed by a later step, once the host knows it.
+            if self._fills_a_page(request):  # only then join prompt and output to hash it
+                known = min(request.num_computed_tokens, request.num_tokens)
+                self.kv_cache.commit_full_pages(
+                    request.request_id, request.all_token_ids, known, request.cache_salt
+                )
             self.kv_cache.release_behind_window(request.request_id, request.num_computed_tokens)
             if s.completes_sequence:
                 completed.append(request)
         return completed
+
+    def _fills_a_page(self, request: Request) -> bool:
+        """Whether the request's known computed tokens fill a page not in the prefix cache yet."""
+        known = min(request.num_computed_tokens, request.num_tokens)
+        return self.kv_cache.enable_prefix_caching and known // self.kv_cache.page_size > (
+            self.kv_cache.num_committed_pages(request.request_id)
+        )
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -257,6 +269,18 @@ class Scheduler:
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+
+def _surely_finished(request: Request, model_len: int) -> bool:
+    """Whether the token a step in flight samples for the request is certain to end it (at
+    max_tokens or the context length): it is not scheduled again meanwhile."""
+    if not request.num_pending_tokens:
+        return False
+    limit = request.sampling_params.max_tokens
+    return (
+        request.num_output_tokens_with_pending >= limit
+        or request.num_tokens_with_pending >= model_len
+    )
 
 
 def _serving_order(request: Request) -> tuple[int, float]:

@@ -51,6 +51,19 @@ class StepInput:
     # i32[S, W]: each sequence's allowed next tokens, packed (structured output; -1: any);
     # None in batches built without a vocabulary size (they sample unconstrained).
     token_bitmask: Any = None
+    # i32[T]: where a token is still on the device (asynchronous scheduling), its row among the
+    # previous step's sampled tokens (`TokenCarry`); -1: token_ids holds it.
+    token_src: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TokenCarry:
+    """The previous step's sampled tokens, kept on the device, and which of this step's tokens
+    they supply: how a step runs before the host has read the tokens of the one before it."""
+
+    sampled: Any  # i32[C]; the previous step's tokens by row, padded to C = the largest S
+    token_src: Any  # i32[T]; a row of `sampled`, or -1: the batch's own token id
 
 
 @jax.tree_util.register_dataclass
@@ -139,6 +152,7 @@ def forward_step(
     meta: AttentionMetadata,
     logits_indices: jax.Array,  # i32[S]
     lora: lora_model.LoRAInputs | None = None,
+    carry: TokenCarry | None = None,
     *,
     options: StepOptions,
 ) -> tuple[ForwardOutput, Any]:
@@ -146,7 +160,11 @@ def forward_step(
     token's hidden state, and the updated caches. Reads nothing of the sampling parameters, so
     one compilation per (T, S) bucket serves every request mix (`options`' sampling fields are
     not read: pass them off, so that the jit cache holds one entry). `lora`: the adapter slots
-    and each token's slot (engine/models/lora.py); None: no adapters."""
+    and each token's slot (engine/models/lora.py); None: no adapters. `carry`: tokens that come
+    from the previous step's samples instead of `token_ids`."""
+    if carry is not None:
+        from_device = carry.sampled[jnp.maximum(carry.token_src, 0)]
+        token_ids = jnp.where(carry.token_src >= 0, from_device, token_ids)
     hidden, kv_caches = _forward(params, kv_caches, token_ids, positions, meta, options, lora)
     logits = registry.compute_logits(params, hidden[logits_indices], cfg=options.cfg)
     return ForwardOutput(logits, hidden), kv_caches
@@ -199,6 +217,26 @@ def sample_step(
     return jax.lax.cond(want_logprobs, with_logprobs, without)
 
 
+def sample_carry_step(
+    logits: jax.Array,  # f32[S, V]
+    t: sampling.SamplingTensors,
+    want_logprobs: jax.Array,  # bool[]
+    token_bitmask: jax.Array | None = None,  # i32[S, W]
+    *,
+    apply_penalties: bool,
+    num_top_logprobs: int,
+    carry_width: int,
+) -> tuple[sampling.SamplerOutput, jax.Array]:
+    """`sample_step`, and its tokens padded to i32[carry_width] for the next step's
+    `TokenCarry` (one shape whatever this step's S, so the forward compiles once per bucket)."""
+    sampled = sample_step(
+        logits, t, want_logprobs, token_bitmask,
+        apply_penalties=apply_penalties, num_top_logprobs=num_top_logprobs,
+    )  # fmt: skip
+    padded = jnp.zeros(carry_width, jnp.int32).at[: logits.shape[0]].set(sampled.token_ids)
+    return sampled, padded
+
+
 def prompt_logprobs_step(
     params: Params,
     hidden: jax.Array,  # f[T, D]
@@ -244,4 +282,7 @@ def step(
 
 jitted_forward = jax.jit(forward_step, static_argnames=("options",), donate_argnames=("kv_caches",))
 jitted_sample = jax.jit(sample_step, static_argnames=("apply_penalties", "num_top_logprobs"))
+jitted_sample_carry = jax.jit(
+    sample_carry_step, static_argnames=("apply_penalties", "num_top_logprobs", "carry_width")
+)
 jitted_prompt_logprobs = jax.jit(prompt_logprobs_step, static_argnames=("cfg", "num_top"))

@@ -140,6 +140,13 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
     serve.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and dispatch each engine step while the one before it runs, feeding its "
+        "sampled tokens on the device (--no-async-scheduling: each step waits for the last)",
+    )
+    serve.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
         default=None,
@@ -367,6 +374,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
+            async_scheduling=args.async_scheduling,
         ),
         parallel=lambda: ParallelConfig(
             _layout(args),

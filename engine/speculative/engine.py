@@ -83,6 +83,7 @@ class SpeculativeEngine(LLMEngine):
         if (speculative.method == "draft_model") != (draft is not None):
             raise XlaserveError("a draft model's weights go with method 'draft_model' only")
         super().__init__(*args, warm_up=False, **kwargs)
+        self.async_scheduling = False  # proposals are made from the tokens the host knows
         self.speculative = speculative
         self.verifier = Verifier(self.runner, speculative)
         self.proposer: Proposer = NgramProposer(speculative)
@@ -181,7 +182,7 @@ class SpeculativeEngine(LLMEngine):
             return None
         proposals = self._propose(out)
         if proposals is None:
-            return self._launch_plain(out)
+            return self._dispatch(out)  # the plain step (its token counts as pending)
         params = [s.request.sampling_params for s in out.scheduled]
         options = self.runner.options(
             penalties=any(p.uses_penalties for p in params),
@@ -193,17 +194,6 @@ class SpeculativeEngine(LLMEngine):
         )
         completed = self.scheduler.update_after_step(out)
         return _Launched(out, completed, pending)  # type: ignore[arg-type]
-
-    def _launch_plain(self, out: SchedulerOutput) -> _Launched:
-        params = [s.request.sampling_params for s in out.scheduled]
-        options = self.runner.options(
-            penalties=any(p.uses_penalties for p in params),
-            logprobs=any(p.logprobs is not None for p in params),
-            prompt_logprobs=any(p.prompt_logprobs is not None for p in params),
-        )
-        pending = self.runner.dispatch(out, self.kv_cache, options, self.grammars.filler(out))
-        completed = self.scheduler.update_after_step(out)
-        return _Launched(out, completed, pending)
 
     def finish_step(self, launched: _Launched) -> list[RequestOutput]:
         if not isinstance(launched.pending, VerifyResult):

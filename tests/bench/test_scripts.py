@@ -57,3 +57,19 @@ def test_speculative_smoke() -> None:
     )
     assert "| copy-heavy | 1 | ngram k=3 |" in done.stdout
     assert "| random | 4 | off |" in done.stdout
+
+
+def test_host_overhead_smoke() -> None:
+    """bench/host_overhead.py's offline parts, (a) and (c), at one small size (no server)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "host_overhead.py"), "--running", "4",
+         "--steps", "2", "--warm-steps", "1", "--served"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )  # fmt: skip
+    assert "| running seqs | schedule |" in done.stdout
+    assert "| running seqs | sync steps/s | async steps/s |" in done.stdout
