@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -105,11 +107,14 @@ class LLMEngine:
         layout: ShardingLayout | None = None,
         lora_config: LoRAConfig | None = None,
         grammars: GrammarCompiler | None = None,
+        count_expert_tokens: bool = False,
     ):
         """`mesh`: a device mesh to shard the model over as `layout` says (`sharding.mesh`).
         `lora_config`: serve LoRA adapters (engine/lora.py) next to the base model.
         `grammars`: the structured-output compiler (data-parallel replicas share one); None:
-        one of this engine's own, with the default StructuredOutputConfig."""
+        one of this engine's own, with the default StructuredOutputConfig.
+        `count_expert_tokens`: count a mixture of experts' tokens per layer and expert
+        (EngineStats.expert_tokens)."""
         if lora_config is not None and cfg.architecture != "llama":
             raise XlaserveError(f"LoRA adapters are not supported for {cfg.architecture} models")
         if lora_config is not None and cfg.num_experts:
@@ -130,6 +135,7 @@ class LLMEngine:
             mesh=mesh,
             layout=layout,
             lora_config=lora_config,
+            count_expert_tokens=count_expert_tokens,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_pages,
@@ -147,6 +153,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.loras: LoRARegistry | None = None
+        self._max_loras = 0 if lora_config is None else lora_config.max_loras
         if lora_config is not None and self.runner.lora is not None:
             self.loras = LoRARegistry(lora_config, cfg, self.runner.lora.dtype)
             for name, path in lora_config.modules:
@@ -157,6 +164,9 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
         self.counters = _Counters()
+        # Tokens per layer and expert since start-up; replaced, not updated in place, so that
+        # `stats` may read it from another thread.
+        self._expert_tokens = np.zeros((cfg.num_layers, cfg.num_experts), np.int64)
         self._weight_bytes = _nbytes(self.runner.params)
         self._kv_cache_bytes = _nbytes(self.runner.kv_caches)
         self._failure: Health | None = None
@@ -200,6 +210,10 @@ class LLMEngine:
             num_kv_pages=self.runner.num_pages,
             weight_bytes=self._weight_bytes,
             kv_cache_bytes=self._kv_cache_bytes,
+            expert_tokens=_table(self._expert_tokens) if self.runner.count_expert_tokens else (),
+            running_lora_adapters=_adapter_counts(list(self.scheduler.running)),
+            waiting_lora_adapters=_adapter_counts(self.scheduler.waiting),
+            max_loras=self._max_loras,
         )
 
     def health(self) -> Health:
@@ -368,6 +382,8 @@ class LLMEngine:
         if result.prompt is not None:
             _record_prompt_logprobs(out, result.prompt)
         self.counters.num_steps += 1
+        if result.expert_counts is not None:
+            self._expert_tokens = self._expert_tokens + result.expert_counts
         self.counters.num_computed_prompt_tokens += _prompt_tokens_run(out)
         return self._postprocess(out, completed, result)
 
@@ -429,6 +445,16 @@ class LLMEngine:
             arrival_time=first.arrival_time,
             scheduled_time=first.scheduled_time,
         )
+
+
+def _adapter_counts(requests: list[Request]) -> tuple[tuple[str, int], ...]:
+    """(adapter, how many of `requests` use it), by name."""
+    counts = Counter(r.lora_name for r in requests if r.lora_name is not None)
+    return tuple(sorted(counts.items()))
+
+
+def _table(counts: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(row) for row in counts.tolist())
 
 
 def _nbytes(tree: Any) -> int:

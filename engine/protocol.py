@@ -51,6 +51,14 @@ class EngineStats:
     num_kv_pages: int = 0  # pages of the KV cache (of each replica)
     weight_bytes: int = 0  # the parameters' bytes (of one replica, all shards)
     kv_cache_bytes: int = 0  # the KV cache's bytes (of one replica, all shards)
+    # A mixture of experts' tokens routed to each expert, [layer][expert], since start-up (a
+    # token counts for each of its k experts); empty unless counted (--expert-token-counts).
+    expert_tokens: tuple[tuple[int, ...], ...] = ()
+    # LoRA (vLLM's lora_requests_info): (adapter, sequences) of the running and the waiting
+    # sequences that use an adapter, by name; and the adapters' device slots (0: LoRA is off).
+    running_lora_adapters: tuple[tuple[str, int], ...] = ()
+    waiting_lora_adapters: tuple[tuple[str, int], ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from engine.config import (
     CompilationConfig,
     EngineConfig,
     LoRAConfig,
+    ObservabilityConfig,
     ParallelConfig,
     QuantizationConfig,
     SchedulerConfig,
@@ -209,6 +210,12 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         default=256,
         help="compiled structured-output grammars kept (least recently used dropped first)",
     )
+    serve.add_argument(
+        "--expert-token-counts",
+        action="store_true",
+        help="count a mixture of experts' tokens per layer and expert (load balance), shown "
+        "as xlaserve:expert_tokens_total in /metrics",
+    )
     _add_parallel_args(serve)
     _add_lora_args(serve)
     serve.set_defaults(run=_serve)
@@ -353,6 +360,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
         structured=StructuredOutputConfig(
             cache_size=args.grammar_cache_size, compile_timeout_s=args.grammar_compile_timeout
         ),
+        observability=ObservabilityConfig(expert_token_counts=args.expert_token_counts),
     )
 
 
@@ -386,6 +394,7 @@ def _engine_config(
     warm_up: str,
     lora: Callable[[], LoRAConfig | None] = lambda: None,
     structured: StructuredOutputConfig | None = None,
+    observability: ObservabilityConfig | None = None,
 ) -> EngineConfig:
     """The flags as one EngineConfig; a value the config refuses is a one-line error."""
     try:
@@ -401,6 +410,7 @@ def _engine_config(
             ),
             lora=lora(),
             structured=structured or StructuredOutputConfig(),
+            observability=observability or ObservabilityConfig(),
         )
     except (ValueError, OSError) as e:
         raise XlaserveError(str(e)) from e
