@@ -133,8 +133,9 @@ def lazy_engine(directory) -> LLMEngine:
 
 
 def test_paged_engine_greedy_matches_transformers(checkpoint, request) -> None:
-    """Two prompts (11 and 5 tokens) in steps of at most 8 tokens: the first prefilled in two
-    chunks, the second beside its second chunk, then decodes of both. A mixture of experts
+    """Two prompts (11 and 4 tokens) in steps of at most 8 tokens: the first prefilled in two
+    chunks, the second beside its second chunk (7 tokens: a step with padding), then decodes
+    of both. A mixture of experts
     counts its tokens per layer and expert (EngineStats.expert_tokens) as transformers' own
     routers choose them over the same tokens; under the forced router, layer 0's go to the
     two forced experts only."""
@@ -143,7 +144,7 @@ def test_paged_engine_greedy_matches_transformers(checkpoint, request) -> None:
     cfg = engine.cfg
     counted_before = np.asarray(engine.stats().expert_tokens)
     rng = random.Random(0)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (11, 5)]
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (11, 4)]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, greedy)
