@@ -108,6 +108,7 @@ def _engines(
         attention_impl=config.compilation.attention_impl,
         warm_up=warm_up,
         lora_config=config.lora,
+        count_expert_tokens=config.observability.expert_token_counts,
     )
     if config.lora is not None and (multi or layout.num_replicas > 1):
         raise XlaserveError("LoRA adapters over several processes or replicas are not supported")

@@ -85,11 +85,12 @@ class CompiledStep:
         assert plan is not None
         caches = jax.tree.map(lambda x: x.sharding, kv)
         logits = plan.sharding((None, "vocab"), (1, self.options.cfg.vocab_size))
+        counts = plan.replicated if self.options.count_expert_tokens else None
         forward = jax.jit(
             forward_step,
             static_argnames=("options",),
             donate_argnames=("kv_caches",),
-            out_shardings=(ForwardOutput(logits, plan.replicated), caches),
+            out_shardings=(ForwardOutput(logits, plan.replicated, counts), caches),
         )
         sample = jax.jit(
             sample_carry_step,

@@ -404,6 +404,15 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """Optional metrics that cost device work. `expert_token_counts`: each step also counts a
+    mixture of experts' tokens per layer and expert (load balance: EngineStats.expert_tokens,
+    `xlaserve:expert_tokens_total`); off, the compiled step is the same as without it."""
+
+    expert_token_counts: bool = False
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything `engine.builder.build_engine` needs, in one hashable value.
 
@@ -422,6 +431,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: no adapters (--enable-lora off)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -8,7 +8,8 @@ Host code: the replicas' `LLMEngine`s own the device work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 
 from engine.errors import InvalidRequestError
@@ -17,6 +18,16 @@ from engine.protocol import EngineStats, Health, ModelInfo
 from engine.request import RequestOutput, SamplingParams
 from engine.structured.spec import StructuredOutputs
 from engine.tokenizer import Tokenizer
+
+
+def _merged(
+    counts: Iterable[tuple[tuple[str, int], ...]],
+) -> tuple[tuple[str, int], ...]:
+    """(name, count) pairs summed by name over the replicas."""
+    total: Counter[str] = Counter()
+    for pairs in counts:
+        total.update(dict(pairs))
+    return tuple(sorted(total.items()))
 
 
 class DataParallelEngine:
@@ -107,6 +118,13 @@ class DataParallelEngine:
             num_kv_pages=first.num_kv_pages,
             weight_bytes=first.weight_bytes,
             kv_cache_bytes=first.kv_cache_bytes,
+            running_lora_adapters=_merged(s.running_lora_adapters for s in each),
+            waiting_lora_adapters=_merged(s.waiting_lora_adapters for s in each),
+            max_loras=first.max_loras,
+            expert_tokens=tuple(
+                tuple(map(sum, zip(*rows, strict=True)))
+                for rows in zip(*(s.expert_tokens for s in each), strict=True)
+            ),
         )
 
     def health(self) -> Health:

@@ -18,12 +18,14 @@ import dataclasses
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -117,11 +119,14 @@ class LLMEngine:
         layout: ShardingLayout | None = None,
         lora_config: LoRAConfig | None = None,
         grammars: GrammarCompiler | None = None,
+        count_expert_tokens: bool = False,
     ):
         """`mesh`: a device mesh to shard the model over as `layout` says (`sharding.mesh`).
         `lora_config`: serve LoRA adapters (engine/lora.py) next to the base model.
         `grammars`: the structured-output compiler (data-parallel replicas share one); None:
-        one of this engine's own, with the default StructuredOutputConfig."""
+        one of this engine's own, with the default StructuredOutputConfig.
+        `count_expert_tokens`: count a mixture of experts' tokens per layer and expert
+        (EngineStats.expert_tokens)."""
         if lora_config is not None and cfg.architecture != "llama":
             raise XlaserveError(f"LoRA adapters are not supported for {cfg.architecture} models")
         if lora_config is not None and cfg.num_experts:
@@ -142,6 +147,7 @@ class LLMEngine:
             mesh=mesh,
             layout=layout,
             lora_config=lora_config,
+            count_expert_tokens=count_expert_tokens,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_pages,
@@ -159,6 +165,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.loras: LoRARegistry | None = None
+        self._max_loras = 0 if lora_config is None else lora_config.max_loras
         if lora_config is not None and self.runner.lora is not None:
             self.loras = LoRARegistry(lora_config, cfg, self.runner.lora.dtype)
             for name, path in lora_config.modules:
@@ -169,6 +176,9 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
         self.counters = _Counters()
+        # Tokens per layer and expert since start-up; replaced, not updated in place, so that
+        # `stats` may read it from another thread.
+        self._expert_tokens = np.zeros((cfg.num_layers, cfg.num_experts), np.int64)
         self._weight_bytes = _nbytes(self.runner.params)
         self._kv_cache_bytes = _nbytes(self.runner.kv_caches)
         self._failure: Health | None = None
@@ -215,6 +225,10 @@ class LLMEngine:
             num_kv_pages=self.runner.num_pages,
             weight_bytes=self._weight_bytes,
             kv_cache_bytes=self._kv_cache_bytes,
+            expert_tokens=_table(self._expert_tokens) if self.runner.count_expert_tokens else (),
+            running_lora_adapters=_adapter_counts(list(self.scheduler.running)),
+            waiting_lora_adapters=_adapter_counts(self.scheduler.waiting),
+            max_loras=self._max_loras,
         )
 
     def health(self) -> Health:
@@ -406,6 +420,8 @@ class LLMEngine:
         if result.prompt is not None:
             _record_prompt_logprobs(out, result.prompt)
         self.counters.num_steps += 1
+        if result.expert_counts is not None:
+            self._expert_tokens = self._expert_tokens + result.expert_counts
         self.counters.num_computed_prompt_tokens += _prompt_tokens_run(out)
         return earlier + self._postprocess(out, completed, result)
 
@@ -477,6 +493,16 @@ def _needs_host_tokens(request: Request) -> bool:
     bitmask, or its penalties' counts, depend on it."""
     params = request.sampling_params
     return params.structured_outputs is not None or params.uses_penalties
+
+
+def _adapter_counts(requests: list[Request]) -> tuple[tuple[str, int], ...]:
+    """(adapter, how many of `requests` use it), by name."""
+    counts = Counter(r.lora_name for r in requests if r.lora_name is not None)
+    return tuple(sorted(counts.items()))
+
+
+def _table(counts: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(row) for row in counts.tolist())
 
 
 def _nbytes(tree: Any) -> int:

@@ -78,6 +78,14 @@ def _sharding_plan(
     return ShardingPlan.create(mesh, cfg, layout)
 
 
+def _check_expert_counts(count: bool, cfg: ModelConfig, plan: ShardingPlan | None) -> bool:
+    if count and not cfg.num_experts:
+        raise XlaserveError("--expert-token-counts needs a mixture-of-experts model")
+    if count and plan is not None and plan.num_stages > 1:
+        raise XlaserveError("--expert-token-counts is not supported with pipeline parallelism")
+    return count
+
+
 class ModelRunner:
     """Runs scheduled batches through the compiled step and returns sampled tokens (NumPy).
 
@@ -97,12 +105,16 @@ class ModelRunner:
         mesh: Mesh | None = None,
         layout: ShardingLayout | None = None,
         lora_config: LoRAConfig | None = None,
+        count_expert_tokens: bool = False,
     ):
+        """`count_expert_tokens`: each step also returns a mixture of experts' tokens per
+        layer and expert (StepOutput.expert_counts), a metric of load balance."""
         compilation.install()
         if _platform() == "cpu":
             host_memory.keep_freed_memory()
         self.cfg = cfg
         self.plan = _sharding_plan(cfg, mesh, layout)
+        self.count_expert_tokens = _check_expert_counts(count_expert_tokens, cfg, self.plan)
         self.params = self._place_params(params)
         # The adapters' device slots (engine/lora_slots.py); None: LoRA is off.
         self.lora = None
@@ -207,6 +219,7 @@ class ModelRunner:
             num_top_logprobs=MAX_LOGPROBS if logprobs else 0,
             num_prompt_logprobs=MAX_LOGPROBS if prompt_logprobs else None,
             sharding=self.plan,
+            count_expert_tokens=self.count_expert_tokens,
         )
 
     def warm_up(self, *, progress: bool = True) -> float:
@@ -297,8 +310,9 @@ class ModelRunner:
         if prompt is not None:
             prompt_out = prompt(self.params, out.hidden, placed.next_token_ids)
         return StepOutput(
-            sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs, prompt_out
-        )
+            sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs,
+            prompt_out, out.expert_counts,
+        )  # fmt: skip
 
     def _put(self, tree: Any) -> Any:
         if self.plan is None:

@@ -57,6 +57,14 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # A mixture of experts' tokens routed to each expert, [layer][expert], since start-up (a
+    # token counts for each of its k experts); empty unless counted (--expert-token-counts).
+    expert_tokens: tuple[tuple[int, ...], ...] = ()
+    # LoRA (vLLM's lora_requests_info): (adapter, sequences) of the running and the waiting
+    # sequences that use an adapter, by name; and the adapters' device slots (0: LoRA is off).
+    running_lora_adapters: tuple[tuple[str, int], ...] = ()
+    waiting_lora_adapters: tuple[tuple[str, int], ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)

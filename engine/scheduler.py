@@ -261,6 +261,11 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def waiting(self) -> list[Request]:
+        """The waiting requests (a copy, in no particular order)."""
+        return [entry[-1] for entry in list(self._waiting)]
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 

@@ -74,6 +74,7 @@ class StepOutput:
     top_ids: Any  # i32[S, K]
     top_logprobs: Any  # f32[S, K]
     prompt: sampling.SamplerOutput | None = None  # per token [T]; when prompt logprobs are asked
+    expert_counts: Any = None  # i32[L, E]; when options.count_expert_tokens (moe.count_tokens)
 
 
 @jax.tree_util.register_dataclass
@@ -83,6 +84,7 @@ class ForwardOutput:
 
     logits: Any  # f32[S, V]; at each sequence's last scheduled token
     hidden: Any  # f[T, D]; every token's final hidden state
+    expert_counts: Any = None  # i32[L, E]: tokens per layer and expert, if counted
 
 
 def attention_metadata(batch: StepInput) -> AttentionMetadata:
@@ -102,6 +104,7 @@ class StepOptions:
     num_top_logprobs: int = 0  # 0: no request asked for logprobs, none are computed
     num_prompt_logprobs: int | None = None  # None: no prompt logprobs
     sharding: ShardingPlan | None = None  # None: one device
+    count_expert_tokens: bool = False  # a mixture of experts' tokens per layer and expert
 
 
 def _forward(
@@ -112,9 +115,10 @@ def _forward(
     meta: AttentionMetadata,
     options: StepOptions,
     lora: lora_model.LoRAInputs | None = None,
-) -> tuple[jax.Array, Any]:
+) -> tuple[jax.Array, Any, jax.Array | None]:
     """Runs the model over the batch's tokens, writing their K/V into the paged caches;
-    returns the final hidden states f[T, D] and the caches."""
+    returns the final hidden states f[T, D], the caches and, when `options` count them, the
+    tokens per layer and expert i32[L, E]."""
     cfg, plan = options.cfg, options.sharding
     if lora is not None:
         params = {**params, "layers": lora_model.attach(params["layers"], lora)}
@@ -125,11 +129,12 @@ def _forward(
     )
     if plan is not None:
         attend = plan.shard_attention(attend)
-    if plan is not None and plan.num_stages > 1:
-        return pipeline.forward(
+    if plan is not None and plan.num_stages > 1:  # expert counts are refused with stages
+        hidden, kv_caches = pipeline.forward(
             registry.family(cfg), params, kv_caches, token_ids, positions, meta,
             attend, plan=plan, cfg=cfg,
         )  # fmt: skip
+        return hidden, kv_caches, None
 
     def attention(
         q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array, *, sliding_window: int | None
@@ -139,9 +144,16 @@ def _forward(
     experts = None
     if plan is not None and cfg.num_experts:
         experts = plan.shard_experts(moe.grouped_experts)
-    return registry.forward(
+    if options.count_expert_tokens:
+        hidden, kv_caches, ids = registry.forward_routed(
+            params, token_ids, positions, kv_caches, attention, cfg=cfg, experts=experts
+        )
+        counts = moe.count_tokens(ids, meta.cu_q_lens[meta.num_seqs], cfg.num_experts)
+        return hidden, kv_caches, counts
+    hidden, kv_caches = registry.forward(
         params, token_ids, positions, kv_caches, attention, cfg=cfg, experts=experts
     )
+    return hidden, kv_caches, None
 
 
 def forward_step(
@@ -165,9 +177,11 @@ def forward_step(
     if carry is not None:
         from_device = carry.sampled[jnp.maximum(carry.token_src, 0)]
         token_ids = jnp.where(carry.token_src >= 0, from_device, token_ids)
-    hidden, kv_caches = _forward(params, kv_caches, token_ids, positions, meta, options, lora)
+    hidden, kv_caches, counts = _forward(
+        params, kv_caches, token_ids, positions, meta, options, lora
+    )
     logits = registry.compute_logits(params, hidden[logits_indices], cfg=options.cfg)
-    return ForwardOutput(logits, hidden), kv_caches
+    return ForwardOutput(logits, hidden, counts), kv_caches
 
 
 def forward_logits(
@@ -275,8 +289,9 @@ def step(
             num_top=options.num_prompt_logprobs,
         )  # fmt: skip
     result = StepOutput(
-        sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs, prompt
-    )
+        sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs, prompt,
+        out.expert_counts,
+    )  # fmt: skip
     return result, kv_caches
 
 

@@ -24,6 +24,7 @@ from engine.config import (
     CompilationConfig,
     EngineConfig,
     LoRAConfig,
+    ObservabilityConfig,
     ParallelConfig,
     QuantizationConfig,
     SchedulerConfig,
@@ -231,6 +232,12 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         help="run the engine loop on a thread of the API server's process instead of in an "
         "engine core process of its own (multi-process engines always do)",
     )
+    serve.add_argument(
+        "--expert-token-counts",
+        action="store_true",
+        help="count a mixture of experts' tokens per layer and expert (load balance), shown "
+        "as xlaserve:expert_tokens_total in /metrics",
+    )
     _add_parallel_args(serve)
     _add_lora_args(serve)
     serve.set_defaults(run=_serve)
@@ -387,6 +394,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
         structured=StructuredOutputConfig(
             cache_size=args.grammar_cache_size, compile_timeout_s=args.grammar_compile_timeout
         ),
+        observability=ObservabilityConfig(expert_token_counts=args.expert_token_counts),
     )
 
 
@@ -420,6 +428,7 @@ def _engine_config(
     warm_up: str,
     lora: Callable[[], LoRAConfig | None] = lambda: None,
     structured: StructuredOutputConfig | None = None,
+    observability: ObservabilityConfig | None = None,
 ) -> EngineConfig:
     """The flags as one EngineConfig; a value the config refuses is a one-line error."""
     try:
@@ -438,6 +447,7 @@ def _engine_config(
             speculative=SpeculativeConfig.from_json(args.speculative_config)
             if args.speculative_config
             else None,
+            observability=observability or ObservabilityConfig(),
         )
     except (ValueError, OSError) as e:
         raise XlaserveError(str(e)) from e

@@ -37,3 +37,19 @@ def engine(tiny) -> LLMEngine:
             max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256
         ),
     )
+
+
+@pytest.fixture(scope="session")
+def lora(tmp_path_factory):
+    """The LoRA tests' tiny Llama, peft adapters and warmed-up engine (lora_adapters.py)."""
+    from tests.engine.lora_adapters import lora_setup
+
+    return lora_setup(tmp_path_factory.mktemp("lora"))
+
+
+@pytest.fixture(scope="session")
+def moe(tmp_path_factory):
+    """The MoE tests' tiny Qwen3-MoE and warmed-up engine (tiny_moe.py)."""
+    from tests.engine.tiny_moe import moe_setup
+
+    return moe_setup(tmp_path_factory.mktemp("qwen3-moe"))

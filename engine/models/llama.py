@@ -46,6 +46,26 @@ def forward(
     return final_norm(params, x, cfg=cfg), caches
 
 
+def forward_routed(
+    params: Params,
+    token_ids: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    caches: Any,
+    attention: AttentionFn,
+    *,
+    cfg: ModelConfig,
+    experts: ExpertsFn | None = None,
+) -> tuple[jax.Array, Any, jax.Array]:
+    """`forward` of a mixture of experts, also returning each layer's experts of each token
+    i32[L, T, k] (for per-expert load metrics)."""
+    x = embed(params, token_ids, cfg=cfg)
+    x, caches, ids = _decoder(
+        params["layers"], x, positions, caches, attention, cfg=cfg, experts=experts, routing=True
+    )
+    assert ids is not None  # a dense model has no routing (the registry refuses it)
+    return final_norm(params, x, cfg=cfg), caches, ids
+
+
 def embed(params: Params, token_ids: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """i32[T] -> f[T, D]."""
     return take_rows(params["embed"], token_ids)
@@ -62,6 +82,24 @@ def decoder(
     experts: ExpertsFn | None = None,
 ) -> tuple[jax.Array, Any]:
     """The decoder layers (any contiguous run of them, per-layer or stacked) over x."""
+    x, caches, _ = _decoder(
+        layer_params, x, positions, caches, attention, cfg=cfg, experts=experts, routing=False
+    )
+    return x, caches
+
+
+def _decoder(
+    layer_params: list[Params] | Params,
+    x: jax.Array,  # f[T, D]
+    positions: jax.Array,  # i32[T]
+    caches: Any,
+    attention: AttentionFn,
+    *,
+    cfg: ModelConfig,
+    experts: ExpertsFn | None,
+    routing: bool,
+) -> tuple[jax.Array, Any, jax.Array | None]:
+    """`decoder`; with `routing`, also each layer's experts of each token i32[L, T, k]."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def layer(x: jax.Array, p: Params, cache: Any) -> tuple[jax.Array, Any]:
@@ -79,13 +117,19 @@ def decoder(
             x = x + lora.project_from_heads(out, p, "wo")
         with jax.named_scope("mlp"):
             h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            if cfg.num_experts:
-                x = x + moe.moe_mlp(h, p, cfg=cfg, experts=experts)
-            else:
-                x = x + lora.gated_mlp(h, p, jax.nn.silu)
-        return x, cache
+            if not cfg.num_experts:
+                return x + lora.gated_mlp(h, p, jax.nn.silu), cache
+            out, ids = moe.routed_mlp(h, p, cfg=cfg, experts=experts)
+        # The routing rides along with the layer's cache, so a scan over layers stacks it.
+        return x + out, ((cache, ids) if routing else cache)
 
-    return layers.run_layers(layer, x, layer_params, caches)
+    x, outs = layers.run_layers(layer, x, layer_params, caches)
+    if not routing:
+        return x, outs, None
+    if isinstance(outs, list):  # per-layer params: a list of (cache, ids)
+        return x, [cache for cache, _ in outs], jnp.stack([ids for _, ids in outs])
+    caches, ids = outs  # stacked: the scan stacked both
+    return x, caches, ids
 
 
 def _normed_clipped_qkv(

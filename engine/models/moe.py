@@ -74,11 +74,36 @@ def moe_mlp(
 ) -> jax.Array:
     """The MoE MLP of one layer: route, then the experts (`grouped_experts` on one device, or
     a sharded version of it). f[T, D] -> f[T, D]."""
+    return routed_mlp(x, p, cfg=cfg, experts=experts)[0]
+
+
+def routed_mlp(
+    x: jax.Array,  # f[T, D]
+    p: Params,
+    *,
+    cfg: ModelConfig,
+    experts: ExpertsFn | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`moe_mlp`'s output f[T, D] and each token's experts i32[T, k] (for load metrics)."""
     weights, ids = route(
         x, p["router"], top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob
     )
     run = grouped_experts if experts is None else experts
-    return run(x, weights, ids, p["we_gate_up"], p["we_down"])
+    return run(x, weights, ids, p["we_gate_up"], p["we_down"]), ids
+
+
+def count_tokens(
+    ids: jax.Array,  # i32[L, T, k]: each layer's experts of each token
+    num_tokens: jax.Array,  # i32[]: the first num_tokens of the T are real, the rest padding
+    num_experts: int,
+) -> jax.Array:
+    """Tokens routed to each expert of each layer, i32[L, E] (a token counts once for each of
+    its k experts, so a layer's row sums to k * num_tokens); padding tokens are not counted."""
+    num_layers, t, _ = ids.shape
+    real = (jnp.arange(t) < num_tokens)[None, :, None]  # bool[1, T, 1]
+    ids = jnp.where(real, ids, num_experts).reshape(num_layers, -1)  # padding: one past the end
+    counts = jax.vmap(lambda row: jnp.bincount(row, length=num_experts + 1))(ids)
+    return counts[:, :num_experts].astype(jnp.int32)
 
 
 def grouped_experts(

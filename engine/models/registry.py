@@ -31,6 +31,9 @@ class ModelFamily:
     embed: Callable[..., jax.Array] | None = None
     decoder: Callable[..., tuple[jax.Array, Any]] | None = None
     final_norm: Callable[..., jax.Array] | None = None
+    # forward, also returning each layer's experts of each token (mixtures of experts' load
+    # metrics); None: the family has no mixtures of experts.
+    forward_routed: Callable[..., tuple[jax.Array, Any, jax.Array]] | None = None
 
 
 LLAMA = ModelFamily(
@@ -44,6 +47,7 @@ LLAMA = ModelFamily(
     embed=llama.embed,
     decoder=llama.decoder,
     final_norm=llama.final_norm,
+    forward_routed=llama.forward_routed,
 )
 
 GEMMA3 = ModelFamily(
@@ -120,3 +124,22 @@ def forward(
 
 def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     return family(cfg).compute_logits(params, hidden, cfg=cfg)
+
+
+def forward_routed(
+    params: Params,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    caches: Any,
+    attention: AttentionFn,
+    *,
+    cfg: ModelConfig,
+    experts: ExpertsFn | None = None,
+) -> tuple[jax.Array, Any, jax.Array]:
+    """`forward`, also returning each layer's experts of each token i32[L, T, k]: for a
+    mixture of experts of a family that has `forward_routed`."""
+    routed = family(cfg).forward_routed
+    if routed is None or not cfg.num_experts:
+        raise UnsupportedModelError(f"{cfg.architecture} models have no experts to count")
+    extra = {} if experts is None else {"experts": experts}
+    return routed(params, token_ids, positions, caches, attention, cfg=cfg, **extra)

@@ -83,6 +83,11 @@ class _EngineCollector(Collector):
             yield self._family(CounterMetricFamily, name, doc, value)
         if stats.spec_decode_num_accepted_tokens_per_pos:
             yield self._per_position(stats.spec_decode_num_accepted_tokens_per_pos)
+        if stats.expert_tokens:
+            yield self._expert_tokens(stats.expert_tokens)
+        if stats.max_loras:
+            yield self._lora_info(stats.running_lora_adapters, stats.waiting_lora_adapters,
+                                  stats.max_loras)  # fmt: skip
 
     def _per_position(self, accepted: tuple[int, ...]) -> Metric:
         family = CounterMetricFamily(
@@ -92,6 +97,36 @@ class _EngineCollector(Collector):
         )
         for position, count in enumerate(accepted):
             family.add_metric([*self._labels.values(), str(position)], count)
+        return family
+
+    def _lora_info(
+        self,
+        running: tuple[tuple[str, int], ...],
+        waiting: tuple[tuple[str, int], ...],
+        max_loras: int,
+    ) -> Metric:
+        """vLLM's `lora_requests_info`: the adapters in use as labels (comma-separated names),
+        the value the time of the scrape."""
+        family = GaugeMetricFamily(
+            "xlaserve:lora_requests_info",
+            "Running stats on LoRA requests: the adapters of running and of waiting sequences, "
+            "and the adapters' device slots (--max-loras).",
+            labels=[*self._labels, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        names = [",".join(name for name, _ in pairs) for pairs in (waiting, running)]
+        family.add_metric([*self._labels.values(), str(max_loras), *names], time.time())
+        return family
+
+    def _expert_tokens(self, table: tuple[tuple[int, ...], ...]) -> Metric:
+        family = CounterMetricFamily(
+            "xlaserve:expert_tokens",
+            "Tokens a mixture of experts routed to each expert of each layer (a token counts "
+            "for each of its experts); --expert-token-counts.",
+            labels=[*self._labels, "layer", "expert"],
+        )
+        for layer, row in enumerate(table):
+            for expert, count in enumerate(row):
+                family.add_metric([*self._labels.values(), str(layer), str(expert)], count)
         return family
 
     def _family(self, kind: type[Any], name: str, doc: str, value: float) -> Metric:

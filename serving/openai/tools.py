@@ -77,10 +77,12 @@ def tool_grammar(
 ) -> StructuredOutputs | None:
     """The constraint that `choice` puts on the answer in `parser`'s format: one or more calls
     (one when not `parallel`) for `required` or a named function; for `auto`, free text in
-    which a call, once its start is written, is well-formed (hermes and llama3_json; a
-    pythonic answer is only parsed)."""
+    which a call, once its start is written, is well-formed (pythonic: an answer that begins
+    with `[` is a list of calls, as the pythonic parser reads it)."""
     if choice == "none":
         return None
+    if choice == "auto" and parser == "pythonic":
+        return StructuredOutputs(grammar=_pythonic_auto(tools, parallel))
     if choice == "auto":
         return _auto(parser, tools)
     if choice != "required":
@@ -107,9 +109,7 @@ def _call_schema(function: Function, key: str) -> dict[str, Any]:
     }
 
 
-def _auto(parser: str, tools: list[Function]) -> StructuredOutputs | None:
-    if parser == "pythonic":
-        return None
+def _auto(parser: str, tools: list[Function]) -> StructuredOutputs:
     if parser == "hermes":
         trigger, end = "<tool_call>", "}\n</tool_call>"
         begin = '<tool_call>\n{"name": "%s", "arguments": '
@@ -121,6 +121,14 @@ def _auto(parser: str, tools: list[Function]) -> StructuredOutputs | None:
     ]
     tag = {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
     return StructuredOutputs(structural_tag=json.dumps(tag))
+
+
+def _pythonic_auto(tools: list[Function], parallel: bool) -> str:
+    """Lark: an answer whose first character other than whitespace is `[` (which the pythonic
+    parser reads as calls) is a list of calls, with no whitespace before it; any other answer
+    is free text. (Free text cannot start with `[`: the parser would take it for calls.)"""
+    calls = _pythonic_calls(tools, parallel).replace("start: ", "calls: ", 1)
+    return "start: calls | TEXT\n" + r"TEXT: /\s*([^\[\s][\s\S]*)?/" + "\n" + calls
 
 
 def _pythonic_calls(tools: list[Function], parallel: bool) -> str:

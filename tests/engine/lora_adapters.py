@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -113,3 +114,63 @@ def peft_logits(base: torch.nn.Module, adapter: Path | None, ids: list[int]) -> 
         model = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter)
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+# Written beside SPECS but not registered at start-up (tests register them while serving).
+EXTRA = {
+    "extra-q-r16": AdapterSpec(16, 32, ("q_proj", "up_proj"), seed=5),
+    "extra-all-r4": AdapterSpec(4, 4, ALL_TARGETS, seed=6),
+}
+
+
+@dataclass
+class LoRASetup:
+    """A tiny Llama checkpoint with peft adapters, and one warmed-up engine serving them (the
+    suite shares it: warming up a LoRA engine is the slow part of these tests). Registered at
+    start-up: SPECS, and `startup` (qv-r4's weights under another name); written only: EXTRA,
+    and under `allowed` (the only directory adapters may be loaded from at runtime) `runtime`
+    (all-r8-rs's weights) and `too-big` (rank 32)."""
+
+    root: Path
+    directory: Path  # the checkpoint
+    base: torch.nn.Module
+    adapters: dict[str, Path]  # SPECS
+    extra: dict[str, Path]  # EXTRA
+    engine: Any  # LLMEngine
+
+
+def lora_setup(root: Path) -> LoRASetup:
+    from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.tokenizer import load_tokenizer
+    from engine.weights import open_checkpoint, resolve_model
+
+    directory = root / "model"
+    base = write_model("llama", directory)
+    adapters = write_adapters(base, root / "adapters")
+    extra = {name: write_adapter(base, spec, root / "extra" / name) for name, spec in EXTRA.items()}
+    write_adapter(base, SPECS["qv-r4"], root / "startup")
+    write_adapter(base, SPECS["all-r8-rs"], root / "allowed" / "runtime")
+    write_adapter(base, AdapterSpec(32, 8, ("q_proj",)), root / "allowed" / "too-big")
+    modules = [(n, str(p)) for n, p in adapters.items()] + [("startup", str(root / "startup"))]
+    lora = LoRAConfig(
+        max_loras=4,
+        max_lora_rank=16,
+        max_cpu_loras=4,
+        modules=tuple(modules),
+        allowed_dirs=(str(root / "allowed"),),
+        allow_runtime_updating=True,
+    )
+    checkpoint = open_checkpoint(resolve_model(str(directory)))
+    # Small buckets (5 sequences, 8 tokens a step: 22 step variants), all compiled at once.
+    engine = LLMEngine(
+        checkpoint.cfg,
+        checkpoint.load_params(),
+        load_tokenizer(directory),
+        cache_config=CacheConfig(page_size=4, num_pages=256),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=5, max_num_batched_tokens=8, max_model_len=64
+        ),
+        lora_config=lora,
+    )
+    return LoRASetup(root, directory, base, adapters, extra, engine)

@@ -23,7 +23,7 @@ from engine.step import attention_metadata, forward_step
 from engine.tokenizer import load_tokenizer
 from engine.weights import open_checkpoint, resolve_model
 from tests.engine.lora_adapters import (
-    ALL_TARGETS,
+    EXTRA,
     SPECS,
     AdapterSpec,
     peft_logits,
@@ -53,6 +53,9 @@ def make_engine(directory: Path, lora: LoRAConfig, *, warm_up: bool, **scheduler
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model_and_adapters(request, tmp_path_factory):
+    if request.param == "llama":  # the suite's LoRA checkpoint and adapters
+        lora = request.getfixturevalue("lora")
+        return lora.directory, lora.base, lora.adapters
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
     base = write_model(request.param, root / "model")
     return root / "model", base, write_adapters(base, root / "adapters")
@@ -103,28 +106,16 @@ def test_logits_match_transformers_peft(model_and_adapters) -> None:
 
 # ---- batching, swapping, compiling ---------------------------------------------------------
 
-EXTRA = {
-    "extra-q-r16": AdapterSpec(16, 32, ("q_proj", "up_proj"), seed=5),
-    "extra-all-r4": AdapterSpec(4, 4, ALL_TARGETS, seed=6),
-}
+
+@pytest.fixture(scope="module")
+def llama_adapters(lora):
+    return lora.directory, lora.adapters, lora.extra
 
 
 @pytest.fixture(scope="module")
-def llama_adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-serve")
-    base = write_model("llama", root / "model")
-    adapters = write_adapters(base, root / "adapters")
-    extra = {name: write_adapter(base, spec, root / "extra" / name) for name, spec in EXTRA.items()}
-    return root / "model", adapters, extra
-
-
-@pytest.fixture(scope="module")
-def lora_engine(llama_adapters) -> LLMEngine:
-    directory, adapters, _ = llama_adapters
-    modules = tuple((n, str(p)) for n, p in adapters.items())
-    lora = LoRAConfig(max_loras=4, max_lora_rank=16, max_cpu_loras=4, modules=modules)
-    # Small buckets (22 step variants): warm-up compiles them all, which is the slow part.
-    return make_engine(directory, lora, warm_up=True, max_num_seqs=5, max_num_batched_tokens=8)
+def lora_engine(lora) -> LLMEngine:
+    """The suite's warmed-up LoRA engine (tests/conftest.py), SPECS registered at start-up."""
+    return lora.engine
 
 
 def generate(
@@ -140,11 +131,13 @@ def test_mixed_batch_equals_each_alone(lora_engine) -> None:
     """The base model and four adapters in one batch: every request gets the greedy tokens it
     gets alone, and the adapters' outputs differ from the base model's."""
     jobs = list(zip(PROMPTS, [None, *SPECS], strict=True))
+    # The process's count: other tests compile programs of their own after warm-up.
+    compiled = lora_engine.stats().compilations_after_warm_up
     alone = [generate(lora_engine, [job], f"alone{i}-")[0] for i, job in enumerate(jobs)]
     mixed = generate(lora_engine, [(PROMPTS[0], name) for _, name in jobs], "same-")
     assert len(set(map(tuple, mixed))) > 1  # one prompt, five models: not all alike
     assert generate(lora_engine, jobs, "mixed-") == alone
-    assert lora_engine.stats().compilations_after_warm_up == 0
+    assert lora_engine.stats().compilations_after_warm_up == compiled
 
 
 def test_swapping_adapters_while_running_compiles_nothing(lora_engine, llama_adapters) -> None:
@@ -154,8 +147,10 @@ def test_swapping_adapters_while_running_compiles_nothing(lora_engine, llama_ada
     finishes with its lone greedy tokens and nothing compiles."""
     _, _, extra = llama_adapters
     engine = lora_engine
+    compiled = engine.stats().compilations_after_warm_up  # the process's: count this test's
     for name, path in extra.items():
-        engine.add_lora(name, str(path))
+        if name not in engine.list_loras():
+            engine.add_lora(name, str(path))
     names = [*SPECS, *EXTRA]
     jobs = [(PROMPTS[i % len(PROMPTS)], names[i % len(names)]) for i in range(12)]
     jobs.append((PROMPTS[1], None))
@@ -182,7 +177,7 @@ def test_swapping_adapters_while_running_compiles_nothing(lora_engine, llama_ada
     assert engine.loras is not None and engine.loras.num_loads - loads_before >= 3
     engine.remove_lora("extra-all-r4")  # idle now
     assert "extra-all-r4" not in engine.list_loras()
-    assert engine.stats().compilations_after_warm_up == 0
+    assert engine.stats().compilations_after_warm_up == compiled
 
 
 def write_adapter_like(llama_adapters, name: str, spec: AdapterSpec) -> Path:
@@ -191,6 +186,55 @@ def write_adapter_like(llama_adapters, name: str, spec: AdapterSpec) -> Path:
     directory, _, _ = llama_adapters
     base = tiny_hf_model("llama")  # the same seed: the checkpoint's weights
     return write_adapter(base, spec, directory.parent / "late" / name)
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def test_lora_metrics_name_running_and_waiting_adapters(lora_engine, llama_adapters) -> None:
+    """vLLM's lora_requests_info: requests of five adapters over four slots, queued at once.
+    Before a step every one waits; once four are running (their prompts computed), the fifth
+    adapter's request waits for a slot, since every slot is held by a running request; after
+    they are aborted, none runs or waits. /metrics shows the same as labels, with max_lora."""
+    from serving.openai.metrics import ServerMetrics
+    from tests.serving.test_metrics import samples
+
+    _, _, extra = llama_adapters
+    engine = lora_engine
+    fifth = "extra-q-r16"
+    if fifth not in engine.list_loras():
+        engine.add_lora(fifth, str(extra[fifth]))
+    names = [*SPECS, fifth]
+    assert engine.stats().max_loras == 4 and not engine.stats().running_lora_adapters
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [f"metrics{i}" for i in range(len(names))]
+    for request_id, name, prompt in zip(ids, names, PROMPTS, strict=True):
+        engine.add_request(request_id, prompt, long, lora_name=name)
+    stats = engine.stats()
+    assert stats.waiting_lora_adapters == tuple(sorted((n, 1) for n in names))
+    assert stats.running_lora_adapters == ()
+    first_four = ids[:4]
+    while any(engine.scheduler.get(r).num_computed_tokens < len(p) for r, p in zip(
+            first_four, PROMPTS, strict=False)):  # fmt: skip
+        engine.step()
+    for _ in range(3):  # a few decode steps: the fifth still finds no free slot
+        engine.step()
+    stats = engine.stats()
+    assert stats.running_lora_adapters == tuple(sorted((n, 1) for n in names[:4]))
+    assert stats.waiting_lora_adapters == ((fifth, 1),)
+    metrics = ServerMetrics(lambda: engine, "tiny")
+    [labels] = samples(metrics, "xlaserve:lora_requests_info")
+    assert dict(labels) == {
+        "model_name": "tiny",
+        "max_lora": "4",
+        "running_lora_adapters": ",".join(sorted(names[:4])),
+        "waiting_lora_adapters": fifth,
+    }
+    for request_id in ids:
+        engine.abort_request(request_id)
+    stats = engine.stats()
+    assert stats.running_lora_adapters == stats.waiting_lora_adapters == ()
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
 
 
 # ---- prefix cache ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from engine import compilation, naive
 from engine.config import CacheConfig, QuantizationConfig, SchedulerConfig
+from engine.errors import XlaserveError
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.models import moe, registry
 from engine.models.layers import dense_causal_attention
@@ -35,6 +36,7 @@ from tests.engine.tiny_moe import (
 )
 
 FORCED = "qwen3-moe-forced"
+SHARED = "qwen3-moe"  # the suite's MoE engine runs this one
 MAX_TOKENS = 6
 # Two sequences, 8 tokens a step: few step shapes to compile (each costs seconds).
 SCHEDULER = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64)
@@ -43,6 +45,9 @@ SCHEDULER = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_
 @pytest.fixture(scope="module", params=[*CONFIGS, FORCED])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     name = request.param
+    if name == SHARED:  # the suite's (tests/conftest.py)
+        moe = request.getfixturevalue("moe")
+        return name, moe.directory, moe.model
     model = build_model(name.removesuffix("-forced"))
     if name == FORCED:
         force_router(model)
@@ -112,29 +117,76 @@ def sorted_experts_logits(params, token_ids, *, cfg):
     return jax.lax.map(one, token_ids)
 
 
-def test_paged_engine_greedy_matches_transformers(checkpoint) -> None:
-    """Two prompts (11 and 5 tokens) in steps of at most 8 tokens: the first prefilled in two
-    chunks, the second beside its second chunk, then decodes of both."""
-    name, directory, model = checkpoint
+def lazy_engine(directory) -> LLMEngine:
+    """An engine over the checkpoint that compiles only the step shapes it runs, counting a
+    mixture of experts' tokens."""
     cfg, params = load_params(ModelFiles(directory, is_gguf=False), dtype="float32")
-    engine = LLMEngine(
+    return LLMEngine(
         cfg,
         params,
         load_tokenizer(directory),
         cache_config=CacheConfig(page_size=4, num_pages=64),
         scheduler_config=SCHEDULER,
         warm_up=False,
+        count_expert_tokens=bool(cfg.num_experts),
     )
+
+
+def test_paged_engine_greedy_matches_transformers(checkpoint, request) -> None:
+    """Two prompts (11 and 4 tokens) in steps of at most 8 tokens: the first prefilled in two
+    chunks, the second beside its second chunk (7 tokens: a step with padding), then decodes
+    of both. A mixture of experts
+    counts its tokens per layer and expert (EngineStats.expert_tokens) as transformers' own
+    routers choose them over the same tokens; under the forced router, layer 0's go to the
+    two forced experts only."""
+    name, directory, model = checkpoint
+    engine = request.getfixturevalue("moe").engine if name == SHARED else lazy_engine(directory)
+    cfg = engine.cfg
+    counted_before = np.asarray(engine.stats().expert_tokens)
     rng = random.Random(0)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (11, 5)]
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (11, 4)]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, greedy)
     outputs = run_to_completion(engine, [f"r{i}" for i in range(len(prompts))])
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(model, prompt, MAX_TOKENS)
+    if not cfg.num_experts:
+        assert engine.stats().expert_tokens == ()
+        return
+    # Every token the engine ran: the prompts and each output token but the last.
+    run = [p + o.outputs[0].token_ids[:-1] for p, o in zip(prompts, outputs, strict=True)]
+    counts = np.asarray(engine.stats().expert_tokens) - counted_before
+    np.testing.assert_array_equal(counts, hf_expert_tokens(model, run))
     if name == FORCED:
         assert_router_forced(model, prompts)
+        num_tokens = sum(map(len, run))
+        assert {e: n for e, n in enumerate(counts[0]) if n} == dict.fromkeys(
+            FORCED_EXPERTS, num_tokens
+        )
+
+
+def hf_expert_tokens(model: torch.nn.Module, sequences: list[list[int]]) -> np.ndarray:
+    """Tokens per layer and expert i64[L, E] as transformers' routers choose them, each
+    sequence run whole (every layer's `mlp.gate` hands out its top-k expert indices)."""
+    config = model.config
+    num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+    counts = np.zeros((config.num_hidden_layers, num_experts), np.int64)
+
+    def count(layer: int, module: torch.nn.Module, args: object, out: tuple) -> None:
+        np.add.at(counts[layer], out[2].flatten().numpy(), 1)
+
+    hooks = [
+        layer.mlp.gate.register_forward_hook(functools.partial(count, i))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    try:
+        for sequence in sequences:
+            hf_logits(model, np.asarray([sequence]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts
 
 
 def assert_router_forced(model: torch.nn.Module, prompts: list[list[int]]) -> None:
@@ -194,11 +246,11 @@ def test_gguf_matches_safetensors(name: str, architecture: str, tmp_path) -> Non
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_experts_match_their_dequantized_weights(method: str, tmp_path) -> None:
+def test_quantized_experts_match_their_dequantized_weights(method: str, request) -> None:
     """Expert weights held as integers give the logits of the float model whose weights are
     their dequantized values, on the dense path (16 tokens a sequence) and the gathered one (3
     tokens: fewer token-expert pairs than experts), and take a fraction of the bytes."""
-    directory = write_checkpoint(build_model("qwen3-moe"), tmp_path)
+    directory = request.getfixturevalue("moe").directory  # the suite's Qwen3-MoE
     quantization = QuantizationConfig(method)
     cfg, params = load_params(
         ModelFiles(directory, is_gguf=False), dtype="float32", quantization=quantization
@@ -217,19 +269,12 @@ def test_quantized_experts_match_their_dequantized_weights(method: str, tmp_path
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
 
 
-def test_no_compilation_after_warm_up_across_a_random_run(tmp_path) -> None:
+def test_no_compilation_after_warm_up_across_a_random_run(moe) -> None:
     """100 requests of random prompts (1 to 40 tokens), greedy and sampled, arriving in waves
-    while others run, on a warmed-up MoE engine: however the tokens are routed, nothing
-    compiles after warm-up."""
-    directory = write_checkpoint(build_model("qwen3-moe"), tmp_path)
-    cfg, params = load_params(ModelFiles(directory, is_gguf=False), dtype="float32")
-    engine = LLMEngine(
-        cfg,
-        params,
-        load_tokenizer(directory),
-        cache_config=CacheConfig(page_size=4, num_pages=256),
-        scheduler_config=SCHEDULER,
-    )
+    while others run, on a warmed-up MoE engine that counts its experts' tokens: however the
+    tokens are routed, nothing compiles after warm-up."""
+    engine = moe.engine
+    generated_before = engine.stats().num_generation_tokens
     rng = random.Random(9)
     before = compilation.count()
     for wave in range(10):
@@ -243,5 +288,11 @@ def test_no_compilation_after_warm_up_across_a_random_run(tmp_path) -> None:
             engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.stats().num_generation_tokens > 100
+    assert engine.stats().num_generation_tokens - generated_before > 100
     assert compilation.count() == before
+
+
+def test_expert_counts_need_a_mixture_of_experts(tiny) -> None:
+    cfg, params, tokenizer = tiny
+    with pytest.raises(XlaserveError, match="needs a mixture-of-experts model"):
+        LLMEngine(cfg, params, tokenizer, warm_up=False, count_expert_tokens=True)

@@ -26,13 +26,16 @@ from llguidance.numpy import (
 from engine import naive
 from engine.config import StructuredOutputConfig
 from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCacheManager
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
 from engine.sampling import apply_token_bitmask, bitmask_words
+from engine.scheduler import Scheduler
 from engine.structured.compiler import GrammarCompiler, ll_tokenizer
 from engine.structured.spec import StructuredOutputs
 from engine.tokenizer import Tokenizer, load_tokenizer
 from engine.weights import resolve_model
+from tests.conftest import PAGE
 from tests.engine.tiny_model import EOS_ID
 
 # Bounded schemas (every string, number and array has a limit), so a random model finishes
@@ -261,3 +264,134 @@ def test_compile_timeout_fails_the_request_not_the_compiler(tiny, monkeypatch) -
     assert time.perf_counter() - start < 0.4
     compiler.compile(StructuredOutputs(choice=("x",))).result(timeout=1.0)
     compiler.close()
+
+
+# ---- interplay: logprobs, preemption ---------------------------------------------------------
+
+
+def test_logprobs_of_constrained_requests_are_the_models(engine: LLMEngine, tiny) -> None:
+    """A constrained request asking for logprobs, beside a free one: the constrained oracle's
+    tokens, and for each token its logprob and the top 3 under the model's own (raw, unmasked)
+    distribution, as for a free request: log_softmax of the naive model's logits over the
+    prompt and the tokens before it."""
+    cfg, params, _ = tiny
+    spec = StructuredOutputs.from_schema(SCHEMAS[14])
+    prompts = [[33, 34, 35, 36], [50, 51]]
+    asks = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=6, logprobs=3),
+    ]
+    outputs = generate(engine, prompts, asks)
+    constrained = outputs[0].outputs[0]
+    assert constrained.token_ids == constrained_oracle(tiny, prompts[0], spec, MAX_TOKENS)
+    jsonschema.validate(json.loads(constrained.text), SCHEMAS[14])
+    for prompt, output in zip(prompts, outputs, strict=True):
+        choice = output.outputs[0]
+        ids = np.asarray([prompt + choice.token_ids])
+        logits = np.asarray(naive.sequence_logits(params, ids, cfg=cfg), np.float64)[0]
+        shifted = logits - logits.max(-1, keepdims=True)
+        logprobs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        assert choice.logprobs is not None and len(choice.logprobs) == len(choice.token_ids)
+        for j, (token, entry) in enumerate(zip(choice.token_ids, choice.logprobs, strict=True)):
+            row = logprobs[len(prompt) - 1 + j]
+            top = np.argsort(-row)[:3]
+            assert set(entry) == {token, *top.tolist()}, (j, entry)
+            for t, lp in entry.items():
+                assert abs(lp - row[t]) < 1e-4, (j, t, lp, row[t])
+
+
+def test_preempted_constrained_requests_resume_in_their_grammar(engine: LLMEngine, tiny) -> None:
+    """14 pages (56 token slots) for 8 requests: the free ones (priority 0) push the
+    constrained ones (priority 1, the first victims) out of the cache mid-answer; each resumes
+    from its tokens with its grammar state kept, and gets the constrained oracle's tokens (the
+    request alone) and validates; the free ones get their free oracle's."""
+    saved = engine.kv_cache, engine.scheduler
+    engine.kv_cache = KVCacheManager(14, PAGE)
+    engine.scheduler = Scheduler(engine.scheduler_config, engine.kv_cache)
+    try:
+        rng = random.Random(5)
+        schemas = [SCHEMAS[i] for i in (4, 12, 13, 14)]
+        specs = [StructuredOutputs.from_schema(s) for s in schemas]
+        prompts = [[rng.randrange(256) for _ in range(rng.randint(6, 10))] for _ in range(8)]
+        ids = [f"pre-{i}" for i in range(8)]
+        for i, (request_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            spec = specs[i // 2] if i % 2 else None
+            engine.add_request(request_id, prompt, greedy(spec), priority=1 if spec else 0)
+        requests = {request_id: engine.scheduler.get(request_id) for request_id in ids}
+        mid_answer = set()  # constrained requests preempted after some output
+        outputs: dict[str, list[int]] = {}
+        texts: dict[str, str] = {}
+        while engine.has_unfinished_requests():
+            before = {r: (q.num_preemptions, len(q.output_token_ids)) for r, q in requests.items()}
+            for output in engine.step():
+                outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
+                texts[output.request_id] = texts.get(output.request_id, "") + output.outputs[0].text
+            for request_id, (preemptions, produced) in before.items():
+                if requests[request_id].num_preemptions > preemptions and produced:
+                    mid_answer.add(request_id)
+        assert mid_answer & set(ids[1::2]), "no constrained request was preempted mid-answer"
+        for i, (request_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            if i % 2 == 0:
+                assert outputs[request_id] == free_oracle(tiny, prompt, MAX_TOKENS), request_id
+                continue
+            want = constrained_oracle(tiny, prompt, specs[i // 2], MAX_TOKENS)
+            assert outputs[request_id] == want, request_id
+            jsonschema.validate(json.loads(texts[request_id]), schemas[i // 2])
+        engine.kv_cache.check_invariants()
+        assert engine.kv_cache.num_free_pages == 14
+    finally:
+        engine.kv_cache, engine.scheduler = saved
+
+
+def test_constrained_requests_with_prefix_cache_stop_strings_and_seeds(
+    engine: LLMEngine, tiny
+) -> None:
+    """Grammars beside the other features: a constrained request whose prompt's pages come
+    from the prefix cache gets the constrained oracle's tokens again; a stop string inside a
+    constrained answer cuts it there; a seeded, sampled constrained request gives the same
+    valid answer alone and in a crowded batch."""
+    spec = StructuredOutputs.from_schema(SCHEMAS[14])
+    prompt = [40 + i for i in range(3 * PAGE + 2)]
+    want = constrained_oracle(tiny, prompt, spec, MAX_TOKENS)
+    first, again = (generate(engine, [prompt], [greedy(spec)])[0] for _ in range(2))
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == want
+    assert again.usage is not None and again.usage.cached_prompt_tokens == 3 * PAGE
+
+    text = first.outputs[0].text
+    stop = text[5:7]  # inside the JSON object
+    cut = text[: text.index(stop)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop],
+                            structured_outputs=spec)  # fmt: skip
+    [stopped] = generate(engine, [prompt], [params])
+    assert (stopped.outputs[0].text, stopped.outputs[0].finish_reason) == (cut, "stop")
+
+    pattern = StructuredOutputs(regex="[a-c]{3}-[0-9]{2}")
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS,
+                            structured_outputs=pattern)  # fmt: skip
+    [alone] = generate(engine, [[7, 8, 9]], [seeded])
+    others = [list(range(i, i + 5)) for i in range(60, 64)]
+    *_, crowded = generate(engine, [*others, [7, 8, 9]], [greedy(spec)] * 4 + [seeded])
+    assert crowded.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", alone.outputs[0].text), alone.outputs[0].text
+
+
+def test_generate_cli_json_schema(tiny_dir, tiny, tmp_path, capsys) -> None:
+    """`xlaserve generate --json-schema FILE` prints the constrained oracle's answer, which
+    validates; a schema that does not compile is a one-line error."""
+    from serving import cli
+
+    _, _, tokenizer = tiny
+    schema = SCHEMAS[13]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    argv = ["generate", "--model", str(tiny_dir), "--prompt", "Hi", "--max-tokens", "40",
+            "--compilation-cache-dir", "", "--json-schema", str(path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    spec = StructuredOutputs.from_schema(schema)
+    want = constrained_oracle(tiny, tokenizer.encode("Hi"), spec, 40)
+    printed = capsys.readouterr().out
+    assert printed == tokenizer.decode(want) + "\n"
+    jsonschema.validate(json.loads(printed), schema)
+    path.write_text('{"type": "nope"}')
+    assert cli.main(argv) == 1
+    assert "JSON schema" in capsys.readouterr().err

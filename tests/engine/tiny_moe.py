@@ -7,7 +7,9 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -165,3 +167,37 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+@dataclass
+class MoESetup:
+    """The tiny Qwen3-MoE (transformers' model, its checkpoint) and one warmed-up engine over
+    it that counts its experts' tokens, shared by the suite's MoE tests (warm-up is the slow
+    part)."""
+
+    model: torch.nn.Module
+    directory: Path
+    engine: Any  # LLMEngine
+
+
+def moe_setup(directory: Path) -> MoESetup:
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.tokenizer import load_tokenizer
+    from engine.weights import ModelFiles, load_params
+
+    model = build_model("qwen3-moe")
+    write_checkpoint(model, directory)
+    cfg, params = load_params(ModelFiles(directory, is_gguf=False), dtype="float32")
+    engine = LLMEngine(
+        cfg,
+        params,
+        load_tokenizer(directory),
+        cache_config=CacheConfig(page_size=4, num_pages=256),
+        # Two sequences, 8 tokens a step: few step shapes to compile (each costs seconds).
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64
+        ),
+        count_expert_tokens=True,
+    )
+    return MoESetup(model, directory, engine)

@@ -4,6 +4,7 @@ INVALID_ARGUMENT for bad input, tokenize/detokenize and the model info."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import CompletionOutput, RequestOutput, SamplingParams, Usage
+from engine.structured.spec import StructuredOutputs
 from serving.async_engine import AsyncEngine
 from serving.grpc.convert import stream_messages
 from serving.grpc.server import GrpcServerHandle, start_grpc_server
@@ -322,3 +324,30 @@ def test_engine_deltas_become_messages_as_they_are() -> None:
     assert not last.prompt_logprobs and last.finish_reason == pb2.FINISH_REASON_STOP
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 4)
     assert last.usage.cached_prompt_tokens == 1
+
+
+def test_structured_outputs_constrain_the_stream(engine, front, stub) -> None:
+    """The proto's structured_outputs: the answer under a regex is the engine's own for the
+    same constraint (offline) and matches it; a regex that matches nothing is
+    INVALID_ARGUMENT naming the problem."""
+    regex = "[a-c]{3}-[0-9]{2}"
+    sampling = pb2.SamplingParams(temperature=0, max_tokens=16)
+    sampling.structured_outputs.regex = regex
+    streamed = generate(stub, pb2.GenerateRequest(text=PROMPT, sampling_params=sampling))
+    impossible = pb2.SamplingParams(temperature=0, max_tokens=8)
+    impossible.structured_outputs.regex = "[a&&b]"
+    with pytest.raises(grpc.RpcError) as error:
+        list(
+            stub.Generate(
+                pb2.GenerateRequest(text=PROMPT, sampling_params=impossible), timeout=TIMEOUT
+            )
+        )
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "matches no output" in error.value.details()
+    front.shutdown(timeout=5)
+    params = SamplingParams(
+        temperature=0, max_tokens=16, structured_outputs=StructuredOutputs(regex=regex)
+    )
+    expected = offline(engine, PROMPT, params)
+    assert streamed.text == {0: expected.outputs[0].text}
+    assert re.fullmatch(regex, streamed.text[0]), streamed.text

@@ -19,14 +19,11 @@ from engine.config import CacheConfig, CompilationConfig, EngineConfig, LoRAConf
 from engine.errors import XlaserveError
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
-from engine.tokenizer import load_tokenizer
-from engine.weights import open_checkpoint, resolve_model
 from serving import cli
 from serving.async_engine import AsyncEngine
 from serving.grpc.server import start_grpc_server
 from serving.grpc.stubs import pb2, pb2_grpc
 from serving.openai import create_app
-from tests.engine.lora_adapters import SPECS, AdapterSpec, write_adapter, write_model
 
 KEY = "lora-key"
 PROMPT = [256, 72, 105, 32, 116, 104, 101, 114, 101]
@@ -35,34 +32,11 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> Iterator[tuple[LLMEngine, AsyncEngine, Path, object]]:
-    root = tmp_path_factory.mktemp("lora-http")
-    base = write_model("llama", root / "model")
-    allowed = root / "allowed"
-    write_adapter(base, SPECS["qv-r4"], root / "startup")
-    write_adapter(base, SPECS["all-r8-rs"], allowed / "runtime")
-    write_adapter(base, AdapterSpec(32, 8, ("q_proj",)), allowed / "too-big")
-    checkpoint = open_checkpoint(resolve_model(str(root / "model")))
-    lora = LoRAConfig(
-        max_loras=2,
-        max_lora_rank=16,
-        modules=(("startup", str(root / "startup")),),
-        allowed_dirs=(str(allowed),),
-        allow_runtime_updating=True,
-    )
-    engine = LLMEngine(
-        checkpoint.cfg,
-        checkpoint.load_params(),
-        load_tokenizer(root / "model"),
-        cache_config=CacheConfig(page_size=4, num_pages=128),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64
-        ),
-        warm_up=False,
-        lora_config=lora,
-    )
-    front = AsyncEngine(engine)
-    yield engine, front, root, base
+def setup(lora) -> Iterator[tuple[LLMEngine, AsyncEngine, Path, object]]:
+    """The suite's LoRA engine (tests/conftest.py): `startup` registered at start-up, runtime
+    loads allowed from `root/allowed` only."""
+    front = AsyncEngine(lora.engine)
+    yield lora.engine, front, lora.root, lora.base
     front.shutdown(timeout=5)
 
 
@@ -135,9 +109,11 @@ def test_adapters_over_http(setup) -> None:
                 "nope",
             )
             models = (await client.get("/v1/models", headers=HEADERS)).json()["data"]
+            registered = engine.list_loras()
+            assert "startup" in registered and "runtime" not in registered
             assert [(m["id"], m.get("parent")) for m in models] == [
                 ("tiny", None),
-                ("startup", "tiny"),
+                *((name, "tiny") for name in registered),
             ]
 
             load = "/v1/load_lora_adapter"
@@ -166,7 +142,7 @@ def test_adapters_over_http(setup) -> None:
             ids = [
                 m["id"] for m in (await client.get("/v1/models", headers=HEADERS)).json()["data"]
             ]
-            assert ids == ["tiny", "startup", "runtime"]
+            assert ids == ["tiny", *registered, "runtime"]
             unload = "/v1/unload_lora_adapter"
             _assert_error(await client.post(unload, json={"lora_name": "runtime"}), 401, "API key")
             assert (
@@ -228,18 +204,15 @@ def test_lora_flags(tmp_path) -> None:
             cli.serve_config(cli._parser().parse_args(["serve", *bad]))
 
 
-def test_a_bad_startup_adapter_is_a_one_line_error(tmp_path) -> None:
+def test_a_bad_startup_adapter_is_a_one_line_error(lora) -> None:
     """`--lora-modules` with an adapter of too high a rank: build_engine raises the one-line
     XlaserveError that the CLI prints (serving/cli.py main)."""
-    model = tmp_path / "model"
-    base = write_model("llama", model)
-    write_adapter(base, AdapterSpec(32, 8, ("q_proj",)), tmp_path / "big")
     config = EngineConfig(
-        model=str(model),
+        model=str(lora.directory),
         compilation=CompilationConfig(warm_up="lazy"),
         cache=CacheConfig(page_size=4, num_pages=16),
         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=32),
-        lora=LoRAConfig(modules=(("big", str(tmp_path / "big")),)),
+        lora=LoRAConfig(modules=(("big", str(lora.root / "allowed" / "too-big")),)),
     )
     with pytest.raises(XlaserveError) as error:
         build_engine(config)

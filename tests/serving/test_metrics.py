@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.llm_engine import LLMEngine
+from engine.protocol import EngineStats
 from serving.openai.metrics import ServerMetrics
 
 
@@ -50,3 +51,28 @@ def test_compilations_after_warmup_counts_what_compiles_later(
     assert after == before + 1
     monkeypatch.setattr(engine.runner, "compilations_at_warm_up", None)  # still warming up
     assert list(samples(metrics, name).values()) == [0]
+
+
+class _FixedStats:
+    """An engine that only answers `stats`, with the given snapshot."""
+
+    def __init__(self, stats: EngineStats):
+        self._stats = stats
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+
+def test_expert_tokens_are_counted_per_layer_and_expert() -> None:
+    """EngineStats.expert_tokens [layer][expert] -> xlaserve:expert_tokens_total{layer,
+    expert}; absent when the engine does not count them (an empty table)."""
+    table = ((5, 0, 7), (1, 2, 9))
+    metrics = ServerMetrics(lambda: _FixedStats(EngineStats(expert_tokens=table)), "m")
+    got = {
+        (dict(labels)["layer"], dict(labels)["expert"]): value
+        for labels, value in samples(metrics, "xlaserve:expert_tokens_total").items()
+    }
+    assert got == {(str(i), str(e)): n for i, row in enumerate(table) for e, n in enumerate(row)}
+    off = ServerMetrics(lambda: _FixedStats(EngineStats()), "m")
+    assert samples(off, "xlaserve:expert_tokens_total") == {}
+    assert samples(off, "xlaserve:lora_requests_info") == {}  # LoRA off: max_loras 0

@@ -52,3 +52,11 @@ def test_step_timeout_flag() -> None:
     for bad in ("0", "-1", "nan"):
         with pytest.raises(SystemExit):
             _parser().parse_args(["serve", "--step-timeout", bad])
+
+
+def test_expert_token_counts_flag() -> None:
+    from serving.cli import serve_config
+
+    assert not serve_config(_parser().parse_args(["serve"])).observability.expert_token_counts
+    args = _parser().parse_args(["serve", "--expert-token-counts"])
+    assert serve_config(args).observability.expert_token_counts

