@@ -262,6 +262,11 @@ class ModelRunner:
 
     # ---- execution -------------------------------------------------------------------------
 
+    def host_tokens_only(self, num_tokens: int) -> TokenCarry:
+        """A forward's carry that supplies none of its `num_tokens` tokens (all from the host):
+        for callers that run the compiled forward themselves (a draft model)."""
+        return TokenCarry(self._carry, self._put(np.full(num_tokens, -1, np.int32)))
+
     def dispatch(
         self,
         out: SchedulerOutput,

@@ -176,7 +176,7 @@ class DraftModelProposer:
         placed = jax.device_put(dataclasses.replace(batch, token_bitmask=None))
         result, runner.kv_caches = forward(
             runner.params, runner.kv_caches, placed.token_ids, placed.positions,
-            attention_metadata(placed), placed.logits_indices, None,
+            attention_metadata(placed), placed.logits_indices, None, runner.host_tokens_only(t),
         )  # fmt: skip
         return result.logits, batch
 
@@ -211,8 +211,9 @@ class DraftModelProposer:
             (_pad(positions, t, 0), meta, np.arange(s, dtype=np.int32))
         )
         result, runner.kv_caches = forward(
-            runner.params, runner.kv_caches, fed, placed, meta, rows, None
-        )
+            runner.params, runner.kv_caches, fed, placed, meta, rows, None,
+            runner.host_tokens_only(t),
+        )  # fmt: skip
         return result.logits
 
 

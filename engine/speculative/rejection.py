@@ -97,14 +97,32 @@ def target_logits(
 ) -> tuple[jax.Array, jax.Array]:  # f32[N, V], i32[N]
     """The truncated, temperature-scaled logits the plain sampler draws from (-inf where a
     token is cut), and each row's greedy token, computed exactly as engine/sampling.py does."""
+    processed, greedy_ids = _processed(
+        logits, t, apply_penalties=apply_penalties, token_bitmask=token_bitmask
+    )
+    return _truncated(processed, t), greedy_ids
+
+
+def _processed(
+    logits: jax.Array,  # f32[N, V]
+    t: SamplingTensors,
+    *,
+    apply_penalties: bool,
+    token_bitmask: HostOrDeviceArray | None,
+) -> tuple[jax.Array, jax.Array]:  # f32[N, V], i32[N]
+    """Penalised, biased and masked logits, and each row's greedy token."""
     processed = sampling.processed_logits(logits, t, apply_penalties=apply_penalties)
     if token_bitmask is not None:
         processed = sampling.apply_token_bitmask(processed, token_bitmask)
-    greedy_ids = sampling.argmax(processed)
+    return processed, sampling.argmax(processed)
+
+
+def _truncated(processed: jax.Array, t: SamplingTensors) -> jax.Array:  # f32[N, V]
+    """Temperature, then top-k, top-p and min-p (-inf where a token is cut)."""
     is_greedy = jnp.asarray(t.temperature) == 0
     scaled = processed / jnp.where(is_greedy, 1.0, t.temperature)[:, None]
     cutoff = sampling.truncation_cutoff(scaled, t.top_k, t.top_p, t.min_p)
-    return jnp.where(scaled < cutoff[:, None], -jnp.inf, scaled), greedy_ids
+    return jnp.where(scaled < cutoff[:, None], -jnp.inf, scaled)
 
 
 def target_probs(
@@ -198,27 +216,43 @@ def rejection_sample(
     if token_bitmask is not None:
         first = (jnp.arange(num_seqs * (k + 1)) % (k + 1) == 0)[:, None]
         mask = jnp.where(first, jnp.repeat(jnp.asarray(token_bitmask), k + 1, axis=0), -1)
-    truncated, greedy_ids = target_logits(
+    processed, greedy_ids = _processed(
         logits, rows, apply_penalties=apply_penalties, token_bitmask=mask
     )
-    keys = _keys(rows.seeds, rows.output_index)  # key[N]
     is_greedy = jnp.asarray(rows.temperature) == 0
-    drawn = jax.vmap(jax.random.categorical)(keys, truncated)
-    bonus_ids = jnp.where(is_greedy, greedy_ids, drawn).reshape(num_seqs, k + 1)
-    p = target_probs(truncated, greedy_ids, rows.temperature).reshape(num_seqs, k + 1, vocab)
-    p = p[:, :k]
-    alpha = acceptance_probs(p, draft_probs, draft_ids)
-    uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, ACCEPT_FOLD)))(keys)
-    accepted = uniform.reshape(num_seqs, k + 1)[:, :k] < alpha
-    residual = residual_probs(p, draft_probs, draft_ids)
-    residual_keys = jax.vmap(lambda key: jax.random.fold_in(key, RESIDUAL_FOLD))(keys)
-    residual_keys = residual_keys.reshape(num_seqs, k + 1)[:, :k].reshape(-1)
-    residual_ids = jax.vmap(jax.random.categorical)(
-        residual_keys, jnp.log(residual.reshape(num_seqs * k, vocab))
-    ).reshape(num_seqs, k)
     greedy_at = greedy_ids.reshape(num_seqs, k + 1)[:, :k]
-    residual_ids = jnp.where(is_greedy.reshape(num_seqs, k + 1)[:, :k], greedy_at, residual_ids)
-    return _emit(draft_ids, num_drafts, accepted, residual_ids.astype(jnp.int32), bonus_ids)
+
+    def all_greedy() -> tuple[jax.Array, jax.Array, jax.Array]:
+        # p is one-hot at the greedy token: a proposal is accepted exactly when it is that
+        # token, and the residual after a rejection is that token too.
+        return draft_ids == greedy_at, greedy_at, greedy_ids.reshape(num_seqs, k + 1)
+
+    def sampled() -> tuple[jax.Array, jax.Array, jax.Array]:
+        truncated = _truncated(processed, rows)
+        keys = _keys(rows.seeds, rows.output_index)  # key[N]
+        drawn = jax.vmap(jax.random.categorical)(keys, truncated)
+        bonus_ids = jnp.where(is_greedy, greedy_ids, drawn).reshape(num_seqs, k + 1)
+        p = target_probs(truncated, greedy_ids, rows.temperature)
+        p = p.reshape(num_seqs, k + 1, vocab)[:, :k]
+        alpha = acceptance_probs(p, draft_probs, draft_ids)
+        uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, ACCEPT_FOLD)))(
+            keys
+        )
+        accepted = uniform.reshape(num_seqs, k + 1)[:, :k] < alpha
+        residual = residual_probs(p, draft_probs, draft_ids)
+        residual_keys = jax.vmap(lambda key: jax.random.fold_in(key, RESIDUAL_FOLD))(keys)
+        residual_keys = residual_keys.reshape(num_seqs, k + 1)[:, :k].reshape(-1)
+        residual_ids = jax.vmap(jax.random.categorical)(
+            residual_keys, jnp.log(residual.reshape(num_seqs * k, vocab))
+        ).reshape(num_seqs, k)
+        greedy_rows = is_greedy.reshape(num_seqs, k + 1)[:, :k]
+        residual_ids = jnp.where(greedy_rows, greedy_at, residual_ids).astype(jnp.int32)
+        return accepted, residual_ids, bonus_ids.astype(jnp.int32)
+
+    # An all-greedy batch skips the sorts and draws over the vocabulary (a runtime branch, as
+    # in engine/sampling.py): they cost as much as a decode step of SmolLM2 on a CPU.
+    accepted, residual_ids, bonus_ids = jax.lax.cond(jnp.all(is_greedy), all_greedy, sampled)
+    return _emit(draft_ids, num_drafts, accepted, residual_ids, bonus_ids)
 
 
 def draft_sample(
