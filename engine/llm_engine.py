@@ -436,25 +436,35 @@ class LLMEngine:
             if request.is_finished:  # stopped by its last token, or aborted: this one is void
                 continue
             i = row[request.request_id]
-            token = int(result.token_ids[i])
-            request.output_token_ids.append(token)
-            request.first_token_time = request.first_token_time or now
-            if request.sampling_params.logprobs is not None:
-                request.logprobs.append(_logprob_entry(result, i, request.sampling_params.logprobs))
-            parent, index = self._child_parent[request.request_id]
-            if parent.pending and index == 0:  # the prompt's pages are cached: siblings join
-                for sibling in parent.pending:
-                    self.scheduler.add_request(sibling)
-                parent.pending.clear()
-            decision = parent.outputs[index].append(request, token)
-            grammar = self.grammars.advance(request.request_id, token)
-            if decision is None and grammar in (GrammarState.DONE, GrammarState.ERROR):
-                decision = parent.outputs[index].grammar_done()
-            if decision is not None:
-                self._finish(parent, index, decision)
+            k = request.sampling_params.logprobs
+            entry = None if k is None else _logprob_entry(result, i, k)
+            parent, index, _ = self._record_token(request, int(result.token_ids[i]), entry, now)
             progressed.setdefault(parent.request_id, (parent, []))[1].append(index)
-            self.counters.num_generation_tokens += 1
         return [self._request_output(p, indices) for p, indices in progressed.values()]
+
+    def _record_token(
+        self, request: Request, token: int, logprobs: dict[int, float] | None, now: float
+    ) -> tuple[_Parent, int, bool]:
+        """Appends a sampled token (and its logprobs entry) to the request: siblings join once
+        the prompt is cached, stop checks, the grammar advances. Returns the request's parent,
+        its index there, and whether the token finished it."""
+        request.output_token_ids.append(token)
+        request.first_token_time = request.first_token_time or now
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        parent, index = self._child_parent[request.request_id]
+        if parent.pending and index == 0:  # the prompt's pages are cached: siblings join
+            for sibling in parent.pending:
+                self.scheduler.add_request(sibling)
+            parent.pending.clear()
+        decision = parent.outputs[index].append(request, token)
+        grammar = self.grammars.advance(request.request_id, token)
+        if decision is None and grammar in (GrammarState.DONE, GrammarState.ERROR):
+            decision = parent.outputs[index].grammar_done()
+        if decision is not None:
+            self._finish(parent, index, decision)
+        self.counters.num_generation_tokens += 1
+        return parent, index, decision is not None
 
     def _finish(self, parent: _Parent, index: int, decision: StopDecision) -> None:
         child = parent.children[index]

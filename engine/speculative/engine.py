@@ -37,7 +37,6 @@ from engine.request import Request, RequestOutput
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.speculative.draft import DraftModelProposer, NgramProposer, Proposals, Proposer
 from engine.speculative.verify import Verifier, VerifyResult
-from engine.structured.matchers import GrammarState
 
 
 @dataclass
@@ -237,29 +236,15 @@ class SpeculativeEngine(LLMEngine):
         the sequence finished with it."""
         runs = result.runs
         token = int(runs.token_ids[i, j])
-        request.output_token_ids.append(token)
-        request.first_token_time = request.first_token_time or now
         k = request.sampling_params.logprobs
+        entry = None
         if k is not None:
             entry = {
                 int(t): float(lp)
                 for t, lp in zip(runs.top_ids[i, j, :k], runs.top_logprobs[i, j, :k], strict=True)
             }
             entry[token] = float(runs.logprobs[i, j])
-            request.logprobs.append(entry)
-        parent, index = self._child_parent[request.request_id]
-        if parent.pending and index == 0:  # the prompt's pages are cached: siblings join
-            for sibling in parent.pending:
-                self.scheduler.add_request(sibling)
-            parent.pending.clear()
-        decision: StopDecision | None = parent.outputs[index].append(request, token)
-        grammar = self.grammars.advance(request.request_id, token)
-        if decision is None and grammar in (GrammarState.DONE, GrammarState.ERROR):
-            decision = parent.outputs[index].grammar_done()
-        self.counters.num_generation_tokens += 1
-        if decision is not None:
-            self._finish(parent, index, decision)
-        return decision is not None
+        return self._record_token(request, token, entry, now)[2]
 
     def _finish(self, parent: _Parent, index: int, decision: StopDecision) -> None:
         super()._finish(parent, index, decision)
