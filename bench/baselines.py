@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from bench.datasets import BenchRequest
 from bench.serve import RequestResult
+from bench.workloads import BenchRequest
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlaserve"
 LLAMACPP_VENV = CACHE / "bench-llamacpp-venv"

@@ -28,8 +28,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import baselines, common, datasets, serve
-from bench.datasets import BenchRequest
+from bench import baselines, common, serve, workloads
+from bench.workloads import BenchRequest
 
 TITLE = "Online serving: xlaserve vs llama.cpp vs transformers (bench/compare.py)"
 SYSTEMS = ("xlaserve", "llama-server", "llamacpp", "transformers")
@@ -79,7 +79,7 @@ def run_server(
     """Starts one server, runs every concurrency against it (warm-ups before the first)."""
     first = next(iter(workloads.values()))[0]
     io = ((first.prompt_len,) * 2, (first.output_len,) * 2)
-    warmups = datasets.random_requests(
+    warmups = workloads.random_requests(
         tokenizer, args.num_warmups, *io, tokenizer.vocab_size, seed=args.seed + 1000
     )
     log = Path(args.result_dir) / f"{system}-server.log"
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = serve.load_text_tokenizer(str(gguf))
     io = ((args.input_len,) * 2, (args.output_len,) * 2)
     workloads = {
-        c: datasets.random_requests(tokenizer, n, *io, tokenizer.vocab_size, seed=args.seed + c)
+        c: workloads.random_requests(tokenizer, n, *io, tokenizer.vocab_size, seed=args.seed + c)
         for c, n in zip(args.concurrency, args.num_prompts, strict=True)
     }
     url = f"http://127.0.0.1:{args.port}"

@@ -20,7 +20,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import baselines, common, datasets, serve
+from bench import baselines, common, serve, workloads
 from bench.compare import _gguf
 
 TITLE = "Scaling (bench/scaling.py)"
@@ -35,7 +35,7 @@ def concurrency_sweep(
     io = ((args.input_len,) * 2, (args.output_len,) * 2)
     for c in args.concurrency:
         n = max(c, args.min_prompts)
-        requests = datasets.random_requests(tokenizer, n, *io, tokenizer.vocab_size, seed=c)
+        requests = workloads.random_requests(tokenizer, n, *io, tokenizer.vocab_size, seed=c)
         result = asyncio.run(serve.benchmark(target, requests, max_concurrency=c, ignore_eos=True))
         rows.append({"concurrency": c, **{k: v for k, v in result.items() if _scalar(v)}})
         print(f"c={c}: {result['output_throughput']:.1f} tok/s, "
@@ -91,7 +91,7 @@ def compilations_vs_shapes(
     rows = []
     lengths = sorted({int(1 + (i * 997) % 700) for i in range(max_shapes)})[:max_shapes]
     for i, length in enumerate(lengths, 1):
-        request = datasets.random_requests(
+        request = workloads.random_requests(
             tokenizer, 1, (length, length), (2, 2), tokenizer.vocab_size, seed=i
         )
         asyncio.run(serve.run_requests(target, request))
@@ -102,7 +102,7 @@ def compilations_vs_shapes(
                 "compilations": m.get("xlaserve:compilations_total", 0.0),
                 "compiled_steps": m.get("xlaserve:num_compiled_steps", 0.0),
             })  # fmt: skip
-    burst = datasets.random_requests(
+    burst = workloads.random_requests(
         tokenizer, 24, (1, 700), (1, 24), tokenizer.vocab_size, seed=99
     )
     asyncio.run(serve.run_requests(target, burst, max_concurrency=24))
@@ -119,12 +119,12 @@ def prefix_cache(
     target: serve.Target, tokenizer: Any, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     """The shared-prefix set against random prompts of the same lengths (no sharing)."""
-    shared = datasets.shared_prefix_requests(
+    shared = workloads.shared_prefix_requests(
         tokenizer, args.gsp_groups, args.gsp_per_group, args.gsp_system_len, 32, 16, seed=7
     )
     lengths = [(r.prompt_len, r.prompt_len) for r in shared]
     unshared = [
-        datasets.random_requests(tokenizer, 1, n, (16, 16), tokenizer.vocab_size, seed=500 + i)[0]
+        workloads.random_requests(tokenizer, 1, n, (16, 16), tokenizer.vocab_size, seed=500 + i)[0]
         for i, n in enumerate(lengths)
     ]
     rows = []

@@ -9,7 +9,7 @@ Requests stream (`stream: true`); the client times the first text chunk (TTFT), 
 chunks (ITL), per-token time after the first (TPOT) and the whole request (E2EL). Output tokens
 are the server's `usage` when it sends one in the stream, else max_tokens when the request
 finished for its length, else the generated text re-tokenized.
-Prompts are generated offline from `--seed` (bench/datasets.py). `--scrape-metrics` reads the
+Prompts are generated offline from `--seed` (bench/workloads.py). `--scrape-metrics` reads the
 server's Prometheus /metrics before and after and reports the counters' change (xlaserve and
 vLLM names: prefix-cache hits, compilations, ...).
 """
@@ -35,8 +35,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `engine` impo
 import httpx
 import numpy as np
 
-from bench import datasets
-from bench.datasets import BenchRequest
+from bench import workloads
+from bench.workloads import BenchRequest
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 TIMEOUT = httpx.Timeout(6 * 3600.0, connect=30.0)
@@ -281,7 +281,7 @@ async def benchmark(
     ignore_eos: bool = False,
     goodput: dict[str, float] | None = None,
     scrape_metrics: bool = False,
-    tokenizer: datasets.TextTokenizer | None = None,
+    tokenizer: workloads.TextTokenizer | None = None,
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, Any]:
@@ -376,19 +376,19 @@ def make_requests(
     args: argparse.Namespace, tokenizer: Any, num_prompts: int, seed: int
 ) -> list[BenchRequest]:
     if args.dataset_name == "random":
-        return datasets.random_requests(
+        return workloads.random_requests(
             tokenizer,
             num_prompts,
-            datasets.parse_range(args.random_input_len),
-            datasets.parse_range(args.random_output_len),
+            workloads.parse_range(args.random_input_len),
+            workloads.parse_range(args.random_output_len),
             tokenizer.vocab_size,
             seed,
         )
     if args.dataset_name == "sharegpt":
-        return datasets.sharegpt_requests(
+        return workloads.sharegpt_requests(
             tokenizer, num_prompts, args.sharegpt_max_input, args.sharegpt_max_output, seed
         )
-    return datasets.shared_prefix_requests(
+    return workloads.shared_prefix_requests(
         tokenizer,
         args.gsp_num_groups,
         args.gsp_prompts_per_group,

@@ -26,7 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the checkout's root holds `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import common, datasets
+from bench import common, workloads
 from engine.builder import build_engine
 from engine.chat_template import apply_chat_template
 from engine.config import (
@@ -79,7 +79,7 @@ def copy_heavy_prompts(engine: LLMEngine, n: int, max_chars: int) -> list[list[i
 
 
 def random_prompts(engine: LLMEngine, n: int, length: int, vocab: int) -> list[list[int]]:
-    requests = datasets.random_requests(engine.tokenizer, n, (length, length), (1, 1), vocab, 0)
+    requests = workloads.random_requests(engine.tokenizer, n, (length, length), (1, 1), vocab, 0)
     return [engine.tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]
 
 

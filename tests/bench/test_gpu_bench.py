@@ -1,7 +1,7 @@
 """The pieces of bench/gpu/ that must be right before they reach a device: llama_bench.py's
 attention oracle check and the arithmetic of its bounds (the whole script runs on CPU with
 `SMALL=1 BENCH=llama bash bench/gpu/run.sh`, a few minutes: not in the test suite), and
-kernels.py end to end on CPU (`SMALL=1 BENCH=kernels`), whose correctness check must catch a
+attention.py end to end on CPU (`SMALL=1 BENCH=kernels`), whose correctness check must catch a
 kernel that reads one wrong key."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from bench.gpu import kernels, llama_bench
+from bench.gpu import attention, llama_bench
 from engine.models import registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,8 +80,8 @@ def test_kernel_bench_runs_on_cpu_and_writes_its_table(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((tmp_path / "bench-gpu-kernels.json").read_text())["rows"]
-    assert [r["name"] for r in rows] == [c.name for c in kernels.SMALL.cases]
-    assert all(r["correct"] and r["max_error"] < kernels.TOLERANCE for r in rows)
+    assert [r["name"] for r in rows] == [c.name for c in attention.SMALL.cases]
+    assert all(r["correct"] and r["max_error"] < attention.TOLERANCE for r in rows)
     table = (tmp_path / "bench-gpu-kernels.md").read_text()
     assert "| decode tiny int8 b1 ctx64 |" in table and "| prefill tiny bf16 b1 ctx32 |" in table
 
@@ -89,21 +89,21 @@ def test_kernel_bench_runs_on_cpu_and_writes_its_table(tmp_path: Path) -> None:
 def test_kernel_bench_fails_when_one_key_is_wrong() -> None:
     """The kernel under test reads V = 1000 for the last context key of sequence 0 (every head)
     instead of the cache's value: that row's output moves by ~1000 x its softmax weight (~1/64)."""
-    case = kernels.SMALL.cases[0]  # decode, four sequences of 64 keys, bf16 cache
+    case = attention.SMALL.cases[0]  # decode, four sequences of 64 keys, bf16 cache
     assert case.kind == "decode" and case.cache == "bf16"
-    x = kernels.make_inputs(case)
-    real = kernels.kernel_under_test()
+    x = attention.make_inputs(case)
+    real = attention.kernel_under_test()
     key = case.context - 1
-    page, slot = x.page_table[0, key // kernels.PAGE_SIZE], key % kernels.PAGE_SIZE
+    page, slot = x.page_table[0, key // attention.PAGE_SIZE], key % attention.PAGE_SIZE
 
-    def corrupted(x: kernels.Inputs, *, sm_scale: float) -> jax.Array:
+    def corrupted(x: attention.Inputs, *, sm_scale: float) -> jax.Array:
         pages = x.kv_pages.at[page, slot, 1::2].set(1000.0)  # V of every kv head
         return real(dataclasses.replace(x, kv_pages=pages), sm_scale=sm_scale)
 
-    assert kernels.max_error(case, x, real) < kernels.TOLERANCE
+    assert attention.max_error(case, x, real) < attention.TOLERANCE
     limits = {"copy_gb_s": 1.0, "matmul_tflop_s": 1.0}
-    plan = dataclasses.replace(kernels.SMALL, calls=1, repeats=1)
-    row = kernels.measure(case, plan, corrupted, limits)
+    plan = dataclasses.replace(attention.SMALL, calls=1, repeats=1)
+    row = attention.measure(case, plan, corrupted, limits)
     assert not row["correct"] and row["max_error"] > 1.0
     with pytest.raises(SystemExit, match=r"correctness check failed.*decode tiny bf16 b4 ctx64"):
-        kernels.check_correct([row])
+        attention.check_correct([row])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,64 +13,52 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_bench(*args: str, timeout: float = 600) -> str:
+    """Runs `python bench/...` as a user would; on failure the assertion shows its stderr."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert done.returncode == 0, f"{args} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+@pytest.mark.parametrize("folder", ["bench", "bench/gpu"])
+def test_no_script_shadows_an_installed_module(folder: str) -> None:
+    """`python bench/x.py` puts bench/ first on sys.path, so bench/kernels.py once hid the
+    `kernels` package that transformers 5.25 imports: every bench that loads transformers broke."""
+    names = [p.stem for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"]
+    shadowed = [n for n in names if importlib.util.find_spec(n) is not None]
+    assert not shadowed, f"{folder}/ modules named like installed ones: {shadowed}"
+
+
 @pytest.mark.parametrize(
     "script",
     ["startup.py", "weights_dtype.py", "host_overhead.py", "structured.py", "speculative.py"],
 )
 def test_help(script: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), "--help"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=True,
-    )
-    assert "--write-results" in done.stdout
+    assert "--write-results" in run_bench(str(ROOT / "bench" / script), "--help", timeout=60)
 
 
 def test_lora_smoke() -> None:
     """bench/lora.py end to end on a tiny random model (the real run is SmolLM2's)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "lora.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=True,
-    )
-    assert "| spread over 4 adapters |" in done.stdout
-    assert "| adapter read and written into a slot first |" in done.stdout
+    out = run_bench(str(ROOT / "bench" / "lora.py"), "--smoke")
+    assert "| spread over 4 adapters |" in out
+    assert "| adapter read and written into a slot first |" in out
 
 
 def test_speculative_smoke() -> None:
     """bench/speculative.py end to end on a tiny random model (the real run is SmolLM2's)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "speculative.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=True,
-    )
-    assert "| copy-heavy | 1 | ngram k=3 |" in done.stdout
-    assert "| random | 4 | off |" in done.stdout
+    out = run_bench(str(ROOT / "bench" / "speculative.py"), "--smoke")
+    assert "| copy-heavy | 1 | ngram k=3 |" in out
+    assert "| random | 4 | off |" in out
 
 
 def test_host_overhead_smoke() -> None:
     """bench/host_overhead.py's offline parts, (a) and (c), at one small size (no server)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "host_overhead.py"), "--running", "4",
-         "--steps", "2", "--warm-steps", "1", "--served"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=True,
-    )  # fmt: skip
-    assert "| running seqs | schedule |" in done.stdout
-    assert "| running seqs | sync steps/s | async steps/s |" in done.stdout
+    out = run_bench(
+        str(ROOT / "bench" / "host_overhead.py"),
+        *("--running", "4", "--steps", "2", "--warm-steps", "1", "--served"),
+    )
+    assert "| running seqs | schedule |" in out
+    assert "| running seqs | sync steps/s | async steps/s |" in out

@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.markdown).write_text(text + "\n")
         if args.write_results:
             title = "Attention kernels, --small on CPU" if args.small else "Attention kernels"
-            common.write_section(f"{title} (bench/gpu/kernels.py)", text)
+            common.write_section(f"{title} (bench/gpu/attention.py)", text)
     check_correct(results["rows"])
 
 

@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks: ragged paged attention decode and prefill, against the machine's limits.
 
-    .venv/bin/python bench/kernels.py [--repeats N] [--write-results]
+    .venv/bin/python bench/attention.py [--repeats N] [--write-results]
 
 CPU section (always): the pure-jnp reference, the CPU production path, on a decode batch of
 32 sequences x 1,024 context and one 2,048-token prefill, for SmolLM2-like heads (Hq=9, Hkv=3,
@@ -39,7 +39,7 @@ import numpy as np
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-SECTION = "## Kernels (bench/kernels.py)"
+SECTION = "## Kernels (bench/attention.py)"
 HEADS = {"smollm2": (9, 3, 64), "llama": (32, 8, 128)}
 
 
@@ -223,7 +223,7 @@ def report(repeats: int) -> str:
         f"- machine: {machine()}",
         f"- versions: python {platform.python_version()}, jax {jax.__version__}, "
         f"backend {jax.default_backend()}",
-        f"- command: `.venv/bin/python bench/kernels.py {' '.join(sys.argv[1:])}`",
+        f"- command: `.venv/bin/python bench/attention.py {' '.join(sys.argv[1:])}`",
         "- limits (shared/BASELINES.md): ~30 GB/s streaming read with 2 threads (14-16 GB/s on"
         " one core), 150-230 GFLOP/s f32 matmul with 2 threads",
         "- cores busy: process CPU time / wall time; other workers share these 2 cores",
