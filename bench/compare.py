@@ -72,12 +72,12 @@ def run_server(
     system: str,
     command: list[str],
     target: serve.Target,
-    workloads: dict[int, list[BenchRequest]],
+    by_concurrency: dict[int, list[BenchRequest]],
     args: argparse.Namespace,
     tokenizer: Any,
 ) -> tuple[list[Row], float]:
     """Starts one server, runs every concurrency against it (warm-ups before the first)."""
-    first = next(iter(workloads.values()))[0]
+    first = next(iter(by_concurrency.values()))[0]
     io = ((first.prompt_len,) * 2, (first.output_len,) * 2)
     warmups = workloads.random_requests(
         tokenizer, args.num_warmups, *io, tokenizer.vocab_size, seed=args.seed + 1000
@@ -90,7 +90,7 @@ def run_server(
         baselines.server_process(command, health, log, timeout=3600)
     ) as startup:  # fmt: skip
         print(f"{system}: ready after {startup:.1f} s", file=sys.stderr)
-        for i, (concurrency, requests) in enumerate(workloads.items()):
+        for i, (concurrency, requests) in enumerate(by_concurrency.items()):
             result = _bench(
                 target,
                 requests,
@@ -112,11 +112,14 @@ def _running() -> Iterator[float]:
 
 
 def run_transformers(
-    model_file: Path, workloads: dict[int, list[BenchRequest]], args: argparse.Namespace, tok: Any
+    model_file: Path,
+    by_concurrency: dict[int, list[BenchRequest]],
+    args: argparse.Namespace,
+    tok: Any,
 ) -> tuple[list[Row], str]:
     model, version = baselines.load_transformers(model_file)
     rows = []
-    for concurrency, requests in workloads.items():
+    for concurrency, requests in by_concurrency.items():
         prompts = [tok.encode(r.prompt, add_special_tokens=False) for r in requests]
         if args.num_warmups:  # one short batch: allocations and oneDNN kernels warm
             short = [BenchRequest(r.prompt, r.prompt_len, 2) for r in requests[:concurrency]]
@@ -207,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     gguf = _gguf(args.model)
     tokenizer = serve.load_text_tokenizer(str(gguf))
     io = ((args.input_len,) * 2, (args.output_len,) * 2)
-    workloads = {
+    by_concurrency = {
         c: workloads.random_requests(tokenizer, n, *io, tokenizer.vocab_size, seed=args.seed + c)
         for c, n in zip(args.concurrency, args.num_prompts, strict=True)
     }
@@ -224,7 +227,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                    *args.xlaserve_args.split()]  # fmt: skip
         target = serve.Target(args.xlaserve_url or url, "bench")
         got, startup = run_server(
-            "xlaserve", [] if args.xlaserve_url else command, target, workloads, args, tokenizer
+            "xlaserve",
+            [] if args.xlaserve_url else command,
+            target,
+            by_concurrency,
+            args,
+            tokenizer,
         )
         rows += got
         compiles = sum(
@@ -247,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             gguf, args.port + 2, args.threads, slots, LLAMA_SERVER_SLOT_LEN
         )
         target = serve.Target(f"http://127.0.0.1:{args.port + 2}", "bench")
-        got, startup = run_server("llama-server", command, target, workloads, args, tokenizer)
+        got, startup = run_server("llama-server", command, target, by_concurrency, args, tokenizer)
         rows += got
         notes.append(
             f"- llama-server: {slots} parallel slots of {LLAMA_SERVER_SLOT_LEN} tokens, "
@@ -268,11 +276,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         # llama-cpp-python has no ignore_eos; min_tokens = max_tokens keeps EOS out the same way
         llama_url = f"http://127.0.0.1:{args.port + 1}"
         target = serve.Target(llama_url, "bench", extra_body={"min_tokens": args.output_len})
-        got, startup = run_server("llamacpp", command, target, workloads, args, tokenizer)
+        got, startup = run_server("llamacpp", command, target, by_concurrency, args, tokenizer)
         rows += got
         notes.append(f"- llama.cpp server start-up (load): {startup:.0f} s")
     if "transformers" in args.systems:
-        got_t, version = run_transformers(gguf, workloads, args, tokenizer)
+        got_t, version = run_transformers(gguf, by_concurrency, args, tokenizer)
         rows += got_t
         versions["transformers"] = version
     lines = [

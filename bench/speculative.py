@@ -186,13 +186,13 @@ def main() -> int:
     )
     engines = [build(args, None), build(args, spec)]
     vocab = engines[0].model_info().vocab_size
-    workloads = {
+    prompt_sets = {
         "copy-heavy": copy_heavy_prompts(engines[0], args.requests, args.max_chars),
         "random": random_prompts(engines[0], args.requests, args.random_prompt_len, vocab),
     }
     runs = [
         measure(engine, name, prompts, c, args.max_tokens)
-        for name, prompts in workloads.items()
+        for name, prompts in prompt_sets.items()
         for c in (1, 4)
         for engine in engines
     ]
