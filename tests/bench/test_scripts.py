@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,10 @@ def test_host_overhead_smoke() -> None:
     )
     assert "| running seqs | schedule |" in out
     assert "| running seqs | sync steps/s | async steps/s |" in out
+
+
+def test_step_breakdown_smoke() -> None:
+    """bench/step_breakdown.py's three builds (as is, and each stand-in) on a tiny model."""
+    out = run_bench(str(ROOT / "bench" / "step_breakdown.py"), "--smoke")
+    assert "| running | ms a step | ms a token | host | device step |" in out
+    assert re.search(r"^\| 1 \| [\d.]+ \| [\d.]+ \| ", out, re.MULTILINE), out[-2000:]

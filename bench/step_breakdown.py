@@ -1,0 +1,217 @@
+"""Where a decoded token's time goes on this machine: host, dispatch, attention and the weight
+products, for SmolLM2 as bench/compare.py runs it against llama-server (the GGUF's Q4_1
+blocks with `--quantization int4`, 512-token prompts).
+
+    python bench/step_breakdown.py --write-results
+
+The host phases are timed as bench/host_overhead.py times them (its PhaseClock wraps the
+engine's own methods), on the real model with synchronous scheduling, so that one step is
+schedule + build + launch + wait + bookkeeping + postprocess with nothing overlapped:
+
+- host: schedule, build, bookkeeping and postprocess (Python and NumPy);
+- device step: `run_batch` and `fetch` (the inputs moved, the compiled parts dispatched and
+  run, the sampled tokens read back), split by difference: the same engine is built again
+  with the attention kernel replaced by a stand-in that costs nothing (zeros shaped like its
+  output), and again with every weight product (`layers.dense`, `layers.unembed`: the seven
+  projections of every layer and the output layer) replaced by one. What a part adds to the
+  step is its cost; "rest" is the remainder (dispatch, transfers, norms, rope, KV writes,
+  sampling).
+
+The stand-ins keep a data dependency on their input (x * 0 added), so XLA cannot drop the work
+that feeds them; the step with them computes garbage tokens, which a timing does not read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from bench.host_overhead import instrument
+from engine import compilation
+from engine.builder import build_engine
+from engine.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    QuantizationConfig,
+    SchedulerConfig,
+)
+from engine.llm_engine import LLMEngine
+from engine.models import attention, layers
+from engine.request import SamplingParams
+
+TITLE = "Where the time per token goes (bench/step_breakdown.py)"
+VARIANTS = ("as is", "no attention", "no products")
+HOST = ("schedule", "build", "bookkeeping", "postprocess")
+
+
+def _costless(real: Callable[..., jax.Array], x_arg: int = 0) -> Callable[..., jax.Array]:
+    """A stand-in for `real` that returns zeros of its output's shape and dtype, depending on
+    its argument `x_arg` (times zero) so that what computes that argument still runs."""
+
+    def stand_in(*args: Any, **kwargs: Any) -> jax.Array:
+        out = jax.eval_shape(lambda *a: real(*a, **kwargs), *args)
+        x = args[x_arg]
+        return jnp.zeros(out.shape, out.dtype) + (jnp.sum(x) * 0).astype(out.dtype)
+
+    return stand_in
+
+
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[None]:
+    """Within: engines built trace the model with `name`'s stand-ins (see the module doc)."""
+    patches = {
+        "as is": [],
+        "no attention": [(attention, "ragged_paged_attention")],
+        "no products": [(layers, "dense"), (layers, "unembed")],
+    }[name]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr in patches]
+    for owner, attr, real in saved:
+        setattr(owner, attr, _costless(real))
+    jax.clear_caches()  # no compiled step of another variant may be reused
+    try:
+        yield
+    finally:
+        for owner, attr, real in saved:
+            setattr(owner, attr, real)
+        jax.clear_caches()
+
+
+def build(model: Path, running: int, args: argparse.Namespace) -> LLMEngine:
+    context = args.prompt_len + args.warm_steps + args.steps + 8
+    engine = build_engine(
+        EngineConfig(
+            str(model),
+            quantization=QuantizationConfig(args.quantization) if args.quantization else None,
+            cache=CacheConfig(
+                num_pages=running * (-(-context // 16) + 1) + 16, enable_prefix_caching=False
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=running, max_num_batched_tokens=512, max_model_len=context + 16
+            ),
+            compilation=CompilationConfig(warm_up="lazy"),
+        )
+    )
+    assert isinstance(engine, LLMEngine)
+    engine.async_scheduling = False
+    return engine
+
+
+def measure(engine: LLMEngine, running: int, args: argparse.Namespace) -> dict[str, float]:
+    """Milliseconds per decode step in each phase with `running` sequences decoding after
+    prompts of args.prompt_len random tokens; median of args.repeats windows of args.steps."""
+    clock = instrument(engine)
+    rng = np.random.default_rng(0)
+    vocab = engine.model_info().vocab_size
+    max_tokens = args.warm_steps + args.steps * args.repeats + 4
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(running):
+        prompt = rng.integers(4, vocab - 4, args.prompt_len).tolist()
+        engine.add_request(f"r{running}-{i}", prompt, params)
+    while engine.stats().num_computed_prompt_tokens < running * args.prompt_len:
+        engine.step()
+    for _ in range(args.warm_steps):
+        engine.step()
+    windows = []
+    compiled = compilation.count()
+    for _ in range(args.repeats):
+        clock.reset()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        window = {p: s * 1e3 / args.steps for p, s in clock.seconds.items()}
+        window["step"] = (time.perf_counter() - start) * 1e3 / args.steps
+        windows.append(window)
+    if compilation.count() != compiled:
+        raise SystemExit(f"a timed window compiled ({running} sequences): raise --warm-steps")
+    engine.close()
+    return {k: statistics.median(w.get(k, 0.0) for w in windows) for k in windows[0]}
+
+
+def breakdown(steps: dict[str, dict[str, float]], running: int) -> str:
+    """One table row: the as-is step's host phases, and its device step split by difference.
+    On CPU, `run_batch` runs the smaller computations before it returns, so the device step
+    is launch + wait together."""
+    full = steps["as is"]
+    host = sum(full.get(p, 0.0) for p in HOST)
+    device = full.get("launch", 0.0) + full.get("wait", 0.0)
+    attn = full["step"] - steps["no attention"]["step"]
+    products = full["step"] - steps["no products"]["step"]
+    parts = [host, device, attn, products, device - attn - products]
+    shares = " | ".join(f"{v:.2f} ({v / full['step']:.0%})" for v in parts)
+    return f"| {running} | {full['step']:.2f} | {full['step'] / running:.2f} | {shares} |"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="alias or .gguf file")
+    p.add_argument("--quantization", default="int4", help="'' for the model's own dtype")
+    p.add_argument("--running", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows (the median is kept)")
+    p.add_argument("--warm-steps", type=int, default=4)
+    p.add_argument("--write-results", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="a tiny random model, a few steps")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.smoke:
+        from bench.host_overhead import write_checkpoint
+
+        model = write_checkpoint()
+        args.running, args.prompt_len, args.steps, args.repeats = [1], 8, 2, 1
+    else:
+        from bench.compare import _gguf
+
+        model = _gguf(args.model)
+    measured: dict[int, dict[str, dict[str, float]]] = {n: {} for n in args.running}
+    for name in VARIANTS:
+        with variant(name):
+            for n in args.running:
+                measured[n][name] = measure(build(model, n, args), n, args)
+                print(f"{name}, {n} running: {measured[n][name]['step']:.2f} ms a step")
+    lines = common.preamble(
+        "python bench/step_breakdown.py " + " ".join(sys.argv[1:]),
+        {"jax": version("jax")},
+    )
+    lines += [
+        f"- model: {model.name}, quantization {args.quantization or 'none'}; "
+        f"{args.prompt_len}-token random prompts, greedy decode, synchronous scheduling; "
+        f"median of {args.repeats} windows of {args.steps} steps",
+        "- ms per step, and its share: host = schedule + build + bookkeeping + postprocess; "
+        "device step = inputs moved, compiled parts dispatched and run, tokens read back; of "
+        "it, attention and weight products = what each adds to the step (the step again with "
+        "a stand-in that costs nothing); rest = dispatch, transfers, norms, rope, KV writes, "
+        "sampling",
+        "",
+        "| running | ms a step | ms a token | host | device step | of it: attention "
+        "| weight products | rest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [breakdown(measured[n], n) for n in args.running]
+    text = "\n".join(lines)
+    print(text)
+    if args.write_results:
+        common.write_section(TITLE, text)
+
+
+if __name__ == "__main__":
+    main()
