@@ -1,6 +1,6 @@
 """Expert-parallel token dispatch: how the devices of the `expert` mesh axis share a mixture of
-experts' tokens. `ShardingPlan.shard_experts` picks one of DISPATCHES (ParallelConfig's
-`expert_dispatch`, the `--expert-dispatch` flag):
+experts' tokens. `ShardingPlan.shard_experts` picks one of `engine.config.EXPERT_DISPATCHES`
+(ParallelConfig's `expert_dispatch`, the `--expert-dispatch` flag):
 
 - "allgather": every device holds every token (the attention's output is replicated, so the
   gather costs nothing), runs the token-expert pairs of its own experts and a psum over the
@@ -33,8 +33,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-DISPATCHES = ("allgather", "all_to_all")
 
 
 @dataclass(frozen=True)

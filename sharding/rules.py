@@ -21,9 +21,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from engine.config import ModelConfig
+from engine.config import EXPERT_DISPATCHES, ModelConfig
 from engine.errors import XlaserveError
-from sharding.experts import DISPATCHES, ExpertAxes, all_to_all_body
+from sharding.experts import ExpertAxes, all_to_all_body
 from sharding.layout import LayoutError, ShardingLayout
 from sharding.mesh import slice_mesh
 
@@ -123,12 +123,12 @@ class ShardingPlan:
     layout: ShardingLayout
     num_heads: int
     num_kv_heads: int
-    expert_dispatch: str = "allgather"  # one of sharding.experts.DISPATCHES
+    expert_dispatch: str = "allgather"  # one of engine.config.EXPERT_DISPATCHES
 
     def __post_init__(self) -> None:
-        if self.expert_dispatch not in DISPATCHES:
+        if self.expert_dispatch not in EXPERT_DISPATCHES:
             raise XlaserveError(
-                f"expert dispatch must be one of {', '.join(DISPATCHES)}, "
+                f"expert dispatch must be one of {', '.join(EXPERT_DISPATCHES)}, "
                 f"not {self.expert_dispatch!r}"
             )
 

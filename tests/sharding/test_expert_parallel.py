@@ -1,7 +1,7 @@
 """Expert parallelism: a tiny Qwen3-MoE (8 experts, top 2) with its experts split over 2, 4 and
 8 devices, and over 2 with tensor parallelism 2 on top, against the single-device engine (the
 oracle): greedy tokens identical, logits and logprobs within 1e-5, and each device holding its
-share of the expert weights."""
+share of the expert weights; with either expert dispatch (sharding/experts.py)."""
 
 from __future__ import annotations
 
@@ -46,11 +46,22 @@ def expert_layout(ep: int, tp: int) -> ShardingLayout:
     return ShardingLayout.create({"ep": ep, "tp": tp}, rules, replicate_if_indivisible=("vocab",))
 
 
+# Each engine costs ~10-20 s of compilation: the all-to-all dispatch runs through the engine at
+# EP 8 (decode's 4 tokens padded to 8) and EP 2 x TP 2; test_expert_dispatch.py checks it at
+# every size, forced routing included, as the function the engine calls.
+LAYOUTS = [(2, 1, "allgather"), (4, 1, "allgather"), (8, 1, "allgather"), (2, 2, "allgather"),
+           (8, 1, "all_to_all"), (2, 2, "all_to_all")]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("ep", "tp"), [(2, 1), (4, 1), (8, 1), (2, 2)], ids=["ep2", "ep4", "ep8", "ep2-tp2"]
+    ("ep", "tp", "dispatch"),
+    LAYOUTS,
+    ids=[f"ep{ep}" + (f"-tp{tp}" if tp > 1 else "") + f"-{d}" for ep, tp, d in LAYOUTS],
 )
-def test_expert_parallel_engine_matches_single_device(tiny_moe, moe_single_device, ep, tp):
-    engine = build_engine(tiny_moe, layout=expert_layout(ep, tp))
+def test_expert_parallel_engine_matches_single_device(
+    tiny_moe, moe_single_device, ep, tp, dispatch
+):
+    engine = build_engine(tiny_moe, layout=expert_layout(ep, tp), expert_dispatch=dispatch)
     assert_same_logits(prefill_logits(engine), moe_single_device[0])
     assert_same(generate(engine), moe_single_device[1])
     check_expert_bytes(engine.runner.params, ep * tp)
