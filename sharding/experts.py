@@ -243,7 +243,7 @@ def bytes_moved(
     """Bytes one device sends per MoE layer under each dispatch, from the shapes alone, with a
     balanced routing (each device's pairs spread evenly over the experts): a ring all-reduce of
     f[T, D] for "allgather"; for "all_to_all" the routed rows out and back (the (EP-1)/EP of
-    its pairs held elsewhere) and its slice in the all-gather. "all_to_all (CPU)" is the padded
+    its pairs held elsewhere) and its slice in the all-gather. "all_to_all_padded" is the padded
     exchange of XLA:CPU, a full capacity of M rows to every other device both ways."""
     n = num_shards
     rows = -(-num_tokens // n) * n
@@ -253,5 +253,5 @@ def bytes_moved(
     return {
         "allgather": 2 * (n - 1) / n * num_tokens * row,
         "all_to_all": 2 * pairs * (n - 1) / n * row + gather,
-        "all_to_all (CPU)": 2 * (n - 1) * pairs * row + gather,
+        "all_to_all_padded": 2 * (n - 1) * pairs * row + gather,
     }
