@@ -9,6 +9,15 @@ import jax
 import numpy as np
 import pytest
 
+from engine import builder
+from engine.config import (
+    EXPERT_DISPATCHES,
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ParallelConfig,
+)
+from engine.llm_engine import LLMEngine
 from engine.tokenizer import load_tokenizer
 from engine.weights import open_checkpoint, resolve_model
 from sharding.layout import ShardingLayout
@@ -25,12 +34,16 @@ EXPERT_LEAVES = ("we_gate_up", "we_down")
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
+def tiny_moe_directory(tmp_path_factory):
     """Weights of std 0.1, as the sharding suite's tiny Llama (see its conftest)."""
     model = build_model("qwen3-moe", initializer_range=0.1)
-    directory = write_checkpoint(model, tmp_path_factory.mktemp("tiny-moe"))
-    checkpoint = open_checkpoint(resolve_model(str(directory)))
-    return checkpoint.cfg, checkpoint.load_params(), load_tokenizer(directory)
+    return write_checkpoint(model, tmp_path_factory.mktemp("tiny-moe"))
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tiny_moe_directory):
+    checkpoint = open_checkpoint(resolve_model(str(tiny_moe_directory)))
+    return checkpoint.cfg, checkpoint.load_params(), load_tokenizer(tiny_moe_directory)
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +94,18 @@ def check_expert_bytes(params, shards: int) -> None:
         for s in x.addressable_shards:
             whole[s.index] += np.asarray(s.data)
         np.testing.assert_array_equal(whole, np.asarray(x))
+
+
+@pytest.mark.parametrize("dispatch", EXPERT_DISPATCHES)
+def test_expert_dispatch_reaches_the_step(tiny_moe_directory, dispatch):
+    """ParallelConfig's expert_dispatch (--expert-dispatch) is the one the compiled step uses."""
+    config = EngineConfig(
+        str(tiny_moe_directory),
+        cache=CacheConfig(page_size=4, num_pages=16),
+        parallel=ParallelConfig(expert_layout(4, 2), expert_dispatch=dispatch),  # all 8 devices
+        compilation=CompilationConfig(warm_up="lazy"),
+    )
+    engine = builder.build_engine(config)
+    assert isinstance(engine, LLMEngine)
+    assert engine.runner.options().sharding.expert_dispatch == dispatch
+    engine.close()
