@@ -155,23 +155,13 @@ def all_to_all_body(
         order = jnp.argsort(pair_experts, stable=True)  # i32[M]: sorted position -> pair
         sorted_experts = pair_experts[order]
         plan = routes(sorted_experts, axes)
-        capacity = order.shape[0]  # M: no device sends any other more than all its pairs
-        exchange = _exchanger(plan, axes.expert, capacity)
-        rows = exchange(
-            xs[order // top_k], jnp.zeros((axes.num_shards * capacity, x.shape[1]), x.dtype)
-        )
-        local_ids = jnp.where(
-            sorted_experts < num_experts, sorted_experts % axes.num_local, axes.num_local
-        )
-        recv_ids = exchange(local_ids, jnp.full((axes.num_shards * capacity,), axes.num_local))
-        out = _run_received(experts, rows, recv_ids, gate_up, down, axes)  # f[R, D]
-        back = _return(plan, axes.expert, capacity)(out, jnp.zeros_like(xs[order // top_k]))
+        rows, local_ids = _send(xs[order // top_k], sorted_experts, plan, axes, num_experts)
+        out = _run_received(experts, rows, local_ids, gate_up, down, axes)  # f[R, D]
+        back = _send_back(out, plan, axes, num_pairs=order.shape[0])  # f[M, D], sorted
         pair_out = jnp.zeros_like(back).at[order].set(back)  # f[M, D], pair order
-        combined = jnp.sum(
-            (pair_out.astype(jnp.float32) * ws.reshape(-1, 1)).reshape(-1, top_k, x.shape[1]),
-            axis=1,
-        ).astype(x.dtype)  # f[Tp/EP, D]
-        return lax.all_gather(combined, axes.expert, tiled=True)[:num_tokens]
+        weighted = pair_out.astype(jnp.float32) * ws[:, None]
+        combined = jnp.sum(weighted.reshape(-1, top_k, x.shape[1]), axis=1).astype(x.dtype)
+        return lax.all_gather(combined, axes.expert, tiled=True)[:num_tokens]  # f[T, D]
 
     return body
 
@@ -198,28 +188,40 @@ def _token_slice(
     return mine(x), mine(weights).reshape(-1), mine(ids).reshape(-1)
 
 
-def _exchanger(plan: Routes, axis: str, capacity: int) -> Callable[..., jax.Array]:
-    """Sends expert-sorted pair rows to the devices holding their experts."""
+def _send(
+    rows: jax.Array,  # f[M, D]: each pair's token, the pairs sorted by expert
+    sorted_experts: jax.Array,  # i32[M]: their experts; num_experts for padding
+    plan: Routes,
+    axes: ExpertAxes,
+    num_experts: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Each pair's row to the device holding its expert: the rows this device receives
+    f[R, D] and their experts' local indices i32[R] (num_local past the received rows). A
+    device sends at most its M pairs to another: the capacity of the CPU exchange."""
+    num_pairs, dim = rows.shape
+    received = num_pairs * axes.num_shards
 
     def send(operand: jax.Array, output: jax.Array) -> jax.Array:
         return ragged_exchange(
             operand, output, plan.send_offsets, plan.send_sizes, plan.remote_offsets,
-            plan.recv_sizes, axis=axis, capacity=capacity,
+            plan.recv_sizes, axis=axes.expert, capacity=num_pairs,
         )  # fmt: skip
 
-    return send
+    local = sorted_experts % axes.num_local
+    local = jnp.where(sorted_experts < num_experts, local, axes.num_local)[:, None]  # i32[M, 1]
+    got_rows = send(rows, jnp.zeros((received, dim), rows.dtype))
+    got_ids = send(local, jnp.full((received, 1), axes.num_local, local.dtype))
+    return got_rows, got_ids[:, 0]
 
 
-def _return(plan: Routes, axis: str, capacity: int) -> Callable[..., jax.Array]:
-    """Sends the received rows' results back where they came from, in the sender's order."""
-
-    def send(operand: jax.Array, output: jax.Array) -> jax.Array:
-        return ragged_exchange(
-            operand, output, plan.recv_offsets, plan.recv_sizes, plan.back_offsets,
-            plan.send_sizes, axis=axis, capacity=capacity,
-        )  # fmt: skip
-
-    return send
+def _send_back(out: jax.Array, plan: Routes, axes: ExpertAxes, *, num_pairs: int) -> jax.Array:
+    """The received rows' results f[R, D] back to their senders, each in its place among the
+    sender's expert-sorted pairs f[M, D] (padding pairs: zero)."""
+    return ragged_exchange(
+        out, jnp.zeros((num_pairs, out.shape[1]), out.dtype), plan.recv_offsets,
+        plan.recv_sizes, plan.back_offsets, plan.send_sizes, axis=axes.expert,
+        capacity=num_pairs,
+    )  # fmt: skip
 
 
 def _run_received(
