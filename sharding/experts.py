@@ -18,7 +18,12 @@ rows to one destination and receives at most EP * M. On TPU and GPU the exchange
 `jax.lax.ragged_all_to_all` (only the routed rows travel); XLA:CPU has no ragged all-to-all, so
 there `ragged_exchange` does the same with `jax.lax.all_to_all` and a capacity of M rows per
 destination, which never drops a pair. The bookkeeping (sizes and offsets) is the same code
-on every platform, so the CPU tests check the one the accelerators run.
+on every platform, so the CPU tests check the one the accelerators run; of the collective
+itself they check only that TPU and GPU lower to it (tests/sharding/test_expert_dispatch.py).
+
+The receiving device returns each row's expert output in the activations' dtype and the sender
+weights it in float32: in bfloat16 that is one rounding more than on one device, where the
+weighting comes before the cast.
 
 Shapes: T tokens (Tp padded), D model width, k experts per token, EP devices on the expert
 axis, E_local experts each, M = Tp/EP * k pairs of one device, R = EP * M received rows.
