@@ -21,8 +21,10 @@ from engine.llm_engine import LLMEngine
 from engine.tokenizer import load_tokenizer
 from engine.weights import open_checkpoint, resolve_model
 from sharding.layout import ShardingLayout
-from tests.engine.tiny_moe import build_model, write_checkpoint
+from tests.engine.test_moe_hf import assert_router_forced
+from tests.engine.tiny_moe import build_model, force_router, write_checkpoint
 from tests.sharding.conftest import (
+    PROMPTS,
     assert_same,
     assert_same_logits,
     build_engine,
@@ -35,8 +37,13 @@ EXPERT_LEAVES = ("we_gate_up", "we_down")
 
 @pytest.fixture(scope="module")
 def tiny_moe_directory(tmp_path_factory):
-    """Weights of std 0.1, as the sharding suite's tiny Llama (see its conftest)."""
+    """Weights of std 0.1, as the sharding suite's tiny Llama (see its conftest). Layer 0's
+    router is forced (`force_router`): every token goes to experts 3 and 5 and the other six
+    get none, so that a dispatch must carry all of a step's tokens to one or two devices and
+    none to the rest; layer 1 routes by its random router."""
     model = build_model("qwen3-moe", initializer_range=0.1)
+    force_router(model)
+    assert_router_forced(model, PROMPTS)  # (every token: any token's embedding is forced)
     return write_checkpoint(model, tmp_path_factory.mktemp("tiny-moe"))
 
 
