@@ -12,6 +12,12 @@ experts' tokens. `ShardingPlan.shard_experts` picks one of `engine.config.EXPERT
   axis rebuilds the replicated activations the next attention needs. It moves the routed rows
   (about T*k*D each way over the whole axis) plus the gather of f[T, D].
 
+With the attention replicated over the expert axis, as it is here, a device sends
+(EP-1)/EP * T * D * (2k/EP + 1) values under "all_to_all" against 2 (EP-1)/EP * T * D under
+"allgather" (`bytes_moved`, balanced routing): fewer only when EP > 2k. The all-to-all pays
+more where tokens are not replicated to begin with (attention data-parallel over the expert
+axis), which xlaserve does not do yet; "allgather" stays the default.
+
 Both keep the psum over the width axis when tensor parallelism also splits each expert's
 width. Shapes are static: T is padded to a multiple of EP, a device sends at most M = T/EP * k
 rows to one destination and receives at most EP * M. On TPU and GPU the exchange is
