@@ -18,6 +18,9 @@ Device part (`--shape qwen3-30b-a3b --layer-only`, from bench/gpu/run.sh with MO
 layer section for one Qwen3-30B-A3B-shaped layer (128 experts, top 8, d 2048, expert width 768)
 with random bfloat16 weights.
 
+Expert parallelism (the same model over 8 simulated devices, both expert dispatches) is
+bench/expert_parallel.py.
+
 Times are medians over repeats after a warm-up call; never assert on them. `--smoke` runs
 every measurement once at toy sizes (the test suite's check that the script works).
 """

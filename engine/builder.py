@@ -109,6 +109,7 @@ def _engines(
         warm_up=warm_up,
         lora_config=config.lora,
         count_expert_tokens=config.observability.expert_token_counts,
+        expert_dispatch=config.parallel.expert_dispatch,
     )
     if config.lora is not None and (multi or layout.num_replicas > 1):
         raise XlaserveError("LoRA adapters over several processes or replicas are not supported")
@@ -122,7 +123,9 @@ def _engines(
         raise XlaserveError("data parallelism across processes: run one server per replica")
     replicas = []
     for mesh in meshes:
-        plan = ShardingPlan.create(mesh, checkpoint.cfg, layout)
+        plan = ShardingPlan.create(
+            mesh, checkpoint.cfg, layout, expert_dispatch=config.parallel.expert_dispatch
+        )
         params = checkpoint.load_params(plan, config.quantization)
         replicas.append(engine(params, mesh=mesh, layout=layout))
     replicas[0].on_close(grammars.close)  # shared by the replicas; DataParallelEngine closes all

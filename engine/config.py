@@ -11,6 +11,8 @@ from sharding.layout import ShardingLayout
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 QK_NORMS = ("head", "full")
+# How a mixture of experts' tokens reach the devices of the expert axis (sharding/experts.py).
+EXPERT_DISPATCHES = ("allgather", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -272,14 +274,23 @@ class StructuredOutputConfig:
 class ParallelConfig:
     """How the engine spans devices and processes: a sharding layout (mesh axes and the table
     from logical axes to them; `--tensor/pipeline/data-parallel-size` are named layouts), and,
-    for an engine over several processes, where they meet (all three given, or none)."""
+    for an engine over several processes, where they meet (all three given, or none).
+    `expert_dispatch`: how a mixture of experts' tokens reach the devices of the layout's
+    expert axis (sharding/experts.py: "allgather" keeps every token on every device and sums
+    the experts' parts; "all_to_all" sends each token to its experts' devices and back)."""
 
     layout: ShardingLayout = field(default_factory=ShardingLayout.named)
     coordinator_address: str | None = None  # HOST:PORT of process 0
     num_processes: int | None = None
     process_id: int | None = None
+    expert_dispatch: str = "allgather"  # one of EXPERT_DISPATCHES
 
     def __post_init__(self) -> None:
+        if self.expert_dispatch not in EXPERT_DISPATCHES:
+            raise ValueError(
+                f"expert dispatch must be one of {', '.join(EXPERT_DISPATCHES)}, "
+                f"not {self.expert_dispatch!r}"
+            )
         given = (self.coordinator_address, self.num_processes, self.process_id)
         if any(x is None for x in given) and not all(x is None for x in given):
             raise ValueError("coordinator address, number of processes and process id go together")

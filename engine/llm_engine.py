@@ -120,13 +120,15 @@ class LLMEngine:
         lora_config: LoRAConfig | None = None,
         grammars: GrammarCompiler | None = None,
         count_expert_tokens: bool = False,
+        expert_dispatch: str = "allgather",
     ):
         """`mesh`: a device mesh to shard the model over as `layout` says (`sharding.mesh`).
         `lora_config`: serve LoRA adapters (engine/lora.py) next to the base model.
         `grammars`: the structured-output compiler (data-parallel replicas share one); None:
         one of this engine's own, with the default StructuredOutputConfig.
         `count_expert_tokens`: count a mixture of experts' tokens per layer and expert
-        (EngineStats.expert_tokens)."""
+        (EngineStats.expert_tokens). `expert_dispatch`: how a mixture of experts' tokens reach
+        the devices of the expert axis (`engine.config.EXPERT_DISPATCHES`)."""
         if lora_config is not None and cfg.architecture != "llama":
             raise XlaserveError(f"LoRA adapters are not supported for {cfg.architecture} models")
         if lora_config is not None and cfg.num_experts:
@@ -148,6 +150,7 @@ class LLMEngine:
             layout=layout,
             lora_config=lora_config,
             count_expert_tokens=count_expert_tokens,
+            expert_dispatch=expert_dispatch,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_pages,

@@ -69,13 +69,13 @@ def num_pages_for(cache: CacheConfig, page_bytes: int) -> int:
 
 
 def _sharding_plan(
-    cfg: ModelConfig, mesh: Mesh | None, layout: ShardingLayout | None
+    cfg: ModelConfig, mesh: Mesh | None, layout: ShardingLayout | None, expert_dispatch: str
 ) -> ShardingPlan | None:
     if mesh is None and layout is None:
         return None
     if mesh is None or layout is None:
         raise XlaserveError("a device mesh and its sharding layout go together")
-    return ShardingPlan.create(mesh, cfg, layout)
+    return ShardingPlan.create(mesh, cfg, layout, expert_dispatch=expert_dispatch)
 
 
 def _check_expert_counts(count: bool, cfg: ModelConfig, plan: ShardingPlan | None) -> bool:
@@ -106,14 +106,16 @@ class ModelRunner:
         layout: ShardingLayout | None = None,
         lora_config: LoRAConfig | None = None,
         count_expert_tokens: bool = False,
+        expert_dispatch: str = "allgather",
     ):
         """`count_expert_tokens`: each step also returns a mixture of experts' tokens per
-        layer and expert (StepOutput.expert_counts), a metric of load balance."""
+        layer and expert (StepOutput.expert_counts), a metric of load balance.
+        `expert_dispatch`: how they reach the devices of the expert axis (sharding/experts.py)."""
         compilation.install()
         if _platform() == "cpu":
             host_memory.keep_freed_memory()
         self.cfg = cfg
-        self.plan = _sharding_plan(cfg, mesh, layout)
+        self.plan = _sharding_plan(cfg, mesh, layout, expert_dispatch)
         self.count_expert_tokens = _check_expert_counts(count_expert_tokens, cfg, self.plan)
         self.params = self._place_params(params)
         # The adapters' device slots (engine/lora_slots.py); None: LoRA is off.

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from engine.config import (
     DEFAULT_MAX_MODEL_LEN,
     DTYPES,
+    EXPERT_DISPATCHES,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     CacheConfig,
@@ -333,6 +334,14 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="HOST:PORT of process 0, for an engine over several processes (found "
         "automatically on Cloud TPU)",
     )
+    group.add_argument(
+        "--expert-dispatch",
+        choices=EXPERT_DISPATCHES,
+        default="allgather",
+        help="how a mixture of experts' tokens reach the devices of the expert axis: "
+        "'allgather' keeps every token on every device and sums the experts' parts; "
+        "'all_to_all' sends each token to its experts' devices and back (sharding/experts.py)",
+    )
     group.add_argument("--num-processes", type=_positive_int, default=None)
     group.add_argument("--process-id", type=_non_negative_int, default=None)
 
@@ -388,6 +397,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
             coordinator_address=args.coordinator_address,
             num_processes=args.num_processes,
             process_id=args.process_id,
+            expert_dispatch=args.expert_dispatch,
         ),
         warm_up=args.warm_up,
         lora=lambda: lora_config(args),

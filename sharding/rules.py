@@ -21,8 +21,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from engine.config import ModelConfig
+from engine.config import EXPERT_DISPATCHES, ModelConfig
 from engine.errors import XlaserveError
+from sharding.experts import ExpertAxes, all_to_all_body
 from sharding.layout import LayoutError, ShardingLayout
 from sharding.mesh import slice_mesh
 
@@ -122,10 +123,27 @@ class ShardingPlan:
     layout: ShardingLayout
     num_heads: int
     num_kv_heads: int
+    expert_dispatch: str = "allgather"  # one of engine.config.EXPERT_DISPATCHES
+
+    def __post_init__(self) -> None:
+        if self.expert_dispatch not in EXPERT_DISPATCHES:
+            raise XlaserveError(
+                f"expert dispatch must be one of {', '.join(EXPERT_DISPATCHES)}, "
+                f"not {self.expert_dispatch!r}"
+            )
 
     @classmethod
-    def create(cls, mesh: Mesh, cfg: ModelConfig, layout: ShardingLayout) -> ShardingPlan:
-        """`mesh`: the layout's mesh, or one replica's (`sharding.mesh.replica_meshes`)."""
+    def create(
+        cls,
+        mesh: Mesh,
+        cfg: ModelConfig,
+        layout: ShardingLayout,
+        *,
+        expert_dispatch: str = "allgather",
+    ) -> ShardingPlan:
+        """`mesh`: the layout's mesh, or one replica's (`sharding.mesh.replica_meshes`).
+        `expert_dispatch`: how a mixture of experts' tokens reach the devices of the expert
+        axis (`sharding.experts`)."""
         check_layout(layout, cfg)
         replica = {layout.replica_axis: 1} if layout.replica_axis is not None else {}
         full, sliced = dict(layout.mesh), {**dict(layout.mesh), **replica}
@@ -133,7 +151,7 @@ class ShardingPlan:
             raise XlaserveError(
                 f"the mesh {dict(mesh.shape)} is not the sharding layout's ({layout.describe()})"
             )
-        return cls(mesh, layout, cfg.num_heads, cfg.num_kv_heads)
+        return cls(mesh, layout, cfg.num_heads, cfg.num_kv_heads, expert_dispatch)
 
     def _size(self, logical: str) -> int:
         axis = self.layout.rule(logical)
@@ -207,10 +225,8 @@ class ShardingPlan:
         (`engine.models.moe.grouped_experts`) per shard of the expert weights: every device sees
         all tokens and their routing (replicated), computes the pairs routed to its experts with
         its slice of their width, and a psum over the expert and width axes adds the parts.
-
-        The simplest correct scheme: it moves no tokens (they are replicated already, as the
-        attention's output is) and sends one [T, D] sum per layer, where an all-to-all dispatch
-        would send only the routed rows; at decode sizes the psum is as small as either."""
+        With `expert_dispatch` "all_to_all", tokens go to their experts' devices and back
+        instead (`sharding.experts`)."""
         gate_up_axes, down_axes = PARAM_AXES["we_gate_up"], PARAM_AXES["we_down"]
 
         def sharded(
@@ -219,11 +235,10 @@ class ShardingPlan:
             gate_up_spec = self.spec(gate_up_axes, tuple(gate_up.shape))
             down_spec = self.spec(down_axes, tuple(down.shape))
             axes = {"expert": gate_up_spec[0], "mlp": gate_up_spec[3]}
-            num_local = down.shape[0] // (1 if axes["expert"] is None else self._size("expert"))
             context = jax.sharding.get_abstract_mesh()
             nested = not context.empty and bool(context.manual_axes)
             fn = jax.shard_map(
-                _expert_body(experts, num_local, axes),
+                self._expert_body(experts, down.shape[0], axes),
                 mesh=None if nested else self.mesh,
                 in_specs=(P(), P(), P(), gate_up_spec, down_spec),
                 out_specs=P(),
@@ -233,6 +248,17 @@ class ShardingPlan:
             return fn(x, weights, ids, gate_up, down)
 
         return sharded
+
+    def _expert_body(
+        self, experts: Callable[..., jax.Array], num_experts: int, axes: dict[str, str | None]
+    ) -> Callable[..., jax.Array]:
+        """The shard_map body of `shard_experts`, as `expert_dispatch` says."""
+        axis = axes["expert"]
+        num_local = num_experts // (1 if axis is None else self._size("expert"))
+        if self.expert_dispatch == "allgather" or axis is None:
+            return _expert_body(experts, num_local, axes)
+        split = ExpertAxes(axis, self._size("expert"), num_local, width=axes["mlp"])
+        return all_to_all_body(experts, split, num_experts)
 
     def stage(self, index: int) -> ShardingPlan:
         """The plan on one pipeline stage's devices (the pipeline axis cut to that stage)."""

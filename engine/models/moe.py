@@ -19,7 +19,8 @@ whole tensor inside the step.
 Expert parallelism: `grouped_experts` computes the pairs of a contiguous range of experts (its
 weights' first axis, starting at `first_expert`) and leaves the others' contributions zero, so
 a shard of experts sums to its part of the output; `sharding.rules.ShardingPlan.shard_experts`
-runs it per shard and sums the parts. The model itself contains no parallelism.
+runs it per shard and sums the parts (or, with the all-to-all dispatch of sharding/experts.py,
+runs it over the rows each shard received). The model itself contains no parallelism.
 
 Shapes: T tokens, D model width, E experts (E_local on one shard), k experts per token,
 F an expert's MLP width, M = T*k token-expert pairs.

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from engine.config import ParallelConfig
 from serving.cli import _parser, parse_bytes
 
 
@@ -60,3 +61,15 @@ def test_expert_token_counts_flag() -> None:
     assert not serve_config(_parser().parse_args(["serve"])).observability.expert_token_counts
     args = _parser().parse_args(["serve", "--expert-token-counts"])
     assert serve_config(args).observability.expert_token_counts
+
+
+def test_expert_dispatch_flag() -> None:
+    from serving.cli import serve_config
+
+    assert serve_config(_parser().parse_args(["serve"])).parallel.expert_dispatch == "allgather"
+    args = _parser().parse_args(["serve", "--expert-dispatch", "all_to_all"])
+    assert serve_config(args).parallel.expert_dispatch == "all_to_all"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--expert-dispatch", "ragged"])
+    with pytest.raises(ValueError, match="expert dispatch must be one of allgather, all_to_all"):
+        ParallelConfig(expert_dispatch="ragged")

@@ -56,10 +56,17 @@ def tiny(tmp_path_factory):
 
 
 def build_engine(
-    tiny, *, dp: int = 1, tp: int = 1, pp: int = 1, layout: ShardingLayout | None = None
+    tiny,
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    layout: ShardingLayout | None = None,
+    expert_dispatch: str = "allgather",
 ) -> LLMEngine:
     """Single-device without a layout or parallel sizes; else over the layout's mesh (the
-    named layout of the sizes by default)."""
+    named layout of the sizes by default), a mixture of experts' tokens dispatched to the
+    expert axis as `expert_dispatch` says (engine.config.EXPERT_DISPATCHES)."""
     cfg, params, tokenizer = tiny
     if layout is None and dp * tp * pp > 1:
         layout = ShardingLayout.named(dp=dp, tp=tp, pp=pp)
@@ -73,6 +80,7 @@ def build_engine(
         warm_up=False,
         mesh=mesh,
         layout=layout,
+        expert_dispatch=expert_dispatch,
     )
 
 
