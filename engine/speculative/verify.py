@@ -80,7 +80,7 @@ class VerifyCompiledStep(CompiledStep):
     def _lower_sample(self, s: int, penalties: bool) -> Any:
         penalty_len = self.shapes.penalty_len if penalties else 0
         vocab = self.options.cfg.vocab_size
-        bitmask = np.zeros((s, bitmask_words(vocab)), np.int32)
+        bitmask = np.zeros((s * (self.k + 1), bitmask_words(vocab)), np.int32)
         probs = None
         if self.with_probs:
             probs = jax.ShapeDtypeStruct((s, self.k, vocab), np.float32)
@@ -148,7 +148,7 @@ class Verifier:
         out: SchedulerOutput,
         kv_manager: KVCacheManager,
         options: StepOptions,
-        fill_bitmask: FillBitmask | None = None,
+        fill_bitmask: FillBitmask | None = None,  # writes i32[S * (K + 1), W]
         draft_probs: jax.Array | None = None,  # f32[S, K, V]; None: one-hot (n-gram)
     ) -> VerifyResult:
         """Starts a verification step and returns at once (device arrays still computing)."""
@@ -169,9 +169,11 @@ class Verifier:
             runner.params, runner.kv_caches, placed.token_ids, placed.positions,
             attention_metadata(placed), indices, lora,
         )  # fmt: skip
+        words = bitmask_words(self.compiled.options.cfg.vocab_size)
+        host_mask = np.full((s * (self.k + 1), words), -1, np.int32)  # a mask per position
         if fill_bitmask is not None:
-            fill_bitmask(batch.token_bitmask)
-        bitmask = jax.device_put(batch.token_bitmask)
+            fill_bitmask(host_mask)
+        bitmask = jax.device_put(host_mask)
         runs = verify(
             hidden_logits.logits, placed.sampling, drafts, counts, want, bitmask, draft_probs
         )

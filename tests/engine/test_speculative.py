@@ -1,13 +1,16 @@
 """Speculative decoding in the engine (engine/speculative/) on the tiny random Llama, against
 the shared plain engine as the oracle: greedy output token for token (k = 1, 3, 5; chunked
-prefill, prefix caching, preemption, n > 1, logprobs, stop strings and max_tokens inside an
-accepted run), seeded sampling independent of the batch, every page free at the end and no
+prefill, prefix caching, preemption, n > 1, logprobs, structured output, stop strings and
+max_tokens inside an accepted run), seeded sampling independent of the batch, every page free at the end and no
 compilation after warm-up. The n-gram proposer against a brute-force search."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
+import jsonschema
 import numpy as np
 import pytest
 
@@ -22,8 +25,9 @@ from engine.config import (
 from engine.errors import XlaserveError
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
-from engine.speculative import ngram
+from engine.speculative import grammar, ngram
 from engine.speculative.engine import SpeculativeEngine
+from engine.speculative.grammar import fill_along
 from engine.structured.spec import StructuredOutputs
 from serving import cli
 from serving.openai.metrics import ServerMetrics
@@ -172,24 +176,62 @@ def test_seeded_sampling_is_independent_of_the_batch(spec3):
     assert_idle(spec3)
 
 
-def test_structured_output_rides_along_without_proposals(spec3, engine: LLMEngine):
-    """A regex-constrained request in the same verification steps as a speculating one: it
-    proposes nothing, its mask applies at its one scored position, and both give the plain
-    engine's output."""
-    batch = prompts(1, 2)
-    params = [
-        SamplingParams(temperature=0, max_tokens=12),
-        SamplingParams(
-            temperature=0, max_tokens=12, structured_outputs=StructuredOutputs(regex="[a-c]{6}")
-        ),
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+REGEX = "[a-c]{3}-[0-9]{2}"
+CHOICES = ("alpha", "beta", "gamma")
+
+
+def constrained_batch(tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
+    """A JSON schema, a regex and a choice whose prompts quote answers of theirs (n-gram lookup
+    proposes from them; the grammar cuts what it rejects), beside two free requests."""
+    texts = ['{"ok":true,"n":2} {"ok":', "abc-12 cab-21 ab", "beta gamma alpha be"]
+    specs = [
+        StructuredOutputs.from_schema(SCHEMA),
+        StructuredOutputs(regex=REGEX),
+        StructuredOutputs(choice=CHOICES),
     ]
+    batch = [tokenizer.encode(t, add_special_tokens=False) for t in texts] + prompts(5, 2)
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=s) for s in specs]
+    return batch, params + [SamplingParams(temperature=0, max_tokens=12)] * 2
+
+
+def assert_constrained(outputs) -> None:
+    """The constrained outputs (the first three) parse and follow their constraints."""
+    texts = [o.outputs[0].text for o in outputs[:3]]
+    jsonschema.validate(json.loads(texts[0]), SCHEMA)
+    assert re.fullmatch(REGEX, texts[1]), texts[1]
+    assert texts[2] in CHOICES, texts[2]
+
+
+def test_structured_output_speculates_within_its_grammar(spec3, engine, tiny, monkeypatch):
+    """Constrained greedy requests (JSON schema, regex, choice) in the same verification steps
+    as free ones give the plain engine's tokens, and their proposals were verified (a mask per
+    position): the grammar's masks apply at every verified position, not only the first."""
+    verified: list[int] = []  # proposals of constrained rows, as masked
+
+    def spy(matcher, drafts, bitmask):
+        verified.append(len(drafts))
+        return fill_along(matcher, drafts, bitmask)
+
+    monkeypatch.setattr(grammar, "fill_along", spy)
+    batch, params = constrained_batch(tiny[2])
     want = run(engine, batch, params)
-    before = spec3.stats().spec_decode_num_drafts
     got = run(spec3, batch, params)
-    assert [g.outputs[0].text for g in got] == [w.outputs[0].text for w in want]
-    assert len(got[1].outputs[0].text) == 6
-    assert spec3.stats().spec_decode_num_drafts > before
+    for g, w in zip(got, want, strict=True):
+        assert (g.outputs[0].token_ids, g.outputs[0].finish_reason) == (
+            w.outputs[0].token_ids,
+            w.outputs[0].finish_reason,
+        )
+    assert_constrained(got)
+    assert sum(verified) > 0
+    assert spec3.stats().compilations_after_warm_up == 0
     assert_idle(spec3)
+    assert all(spec3.grammars.get(r.request_id) is None for r in got)
 
 
 def test_abort_mid_run_frees_every_page(spec3):
@@ -266,7 +308,9 @@ def draft_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_draft_model_greedy_equals_plain_greedy(tiny_dir, draft_dir, engine: LLMEngine, k: int):
+def test_draft_model_greedy_equals_plain_greedy(
+    tiny, tiny_dir, draft_dir, engine: LLMEngine, k: int
+):
     """Built from an EngineConfig as a server builds it (compiled lazily)."""
     spec = build_engine(
         EngineConfig(
@@ -280,9 +324,14 @@ def test_draft_model_greedy_equals_plain_greedy(tiny_dir, draft_dir, engine: LLM
     assert isinstance(spec, SpeculativeEngine)
     batch = prompts(20 + k, 3)
     params = greedy_mix(len(batch))
+    if k == 3:  # constrained requests too: the draft's proposals cut where the grammar rejects
+        constrained, constraints = constrained_batch(tiny[2])
+        batch, params = constrained[:3] + batch, constraints[:3] + params
     want = run(engine, batch, params)
     got = run(spec, batch, params)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    if k == 3:
+        assert_constrained(got)
     assert spec.stats().spec_decode_num_draft_tokens > 0
     assert_idle(spec)
     spec.close()
