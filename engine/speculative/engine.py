@@ -79,8 +79,11 @@ class SpeculativeEngine(LLMEngine):
         **kwargs: Any,
     ):
         """`draft`: the draft model's config and parameters (method draft_model)."""
-        if kwargs.get("mesh") is not None or kwargs.get("layout") is not None:
-            raise XlaserveError("speculative decoding is not supported with a device mesh yet")
+        if kwargs.get("mesh") is not None and draft is not None:
+            raise XlaserveError(
+                "speculative decoding with a draft model over a device mesh is not supported "
+                "yet (the draft model runs on one device); use method 'ngram'"
+            )
         if (speculative.method == "draft_model") != (draft is not None):
             raise XlaserveError("a draft model's weights go with method 'draft_model' only")
         super().__init__(*args, warm_up=False, **kwargs)

@@ -1,7 +1,8 @@
 """Speculative decoding in the engine (engine/speculative/) on the tiny random Llama, against
 the shared plain engine as the oracle: greedy output token for token (k = 1, 3, 5; chunked
 prefill, prefix caching, preemption, n > 1, logprobs, structured output, stop strings and
-max_tokens inside an accepted run), seeded sampling independent of the batch, every page free at the end and no
+max_tokens inside an accepted run), seeded sampling independent of the batch, every page free at
+the end and no
 compilation after warm-up. The n-gram proposer against a brute-force search."""
 
 from __future__ import annotations
