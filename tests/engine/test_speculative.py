@@ -14,6 +14,8 @@ import re
 import jsonschema
 import numpy as np
 import pytest
+from llguidance import LLMatcher
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from engine.builder import build_engine
 from engine.config import (
@@ -26,14 +28,16 @@ from engine.config import (
 from engine.errors import XlaserveError
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
+from engine.sampling import bitmask_words
 from engine.speculative import grammar, ngram
 from engine.speculative.engine import SpeculativeEngine
 from engine.speculative.grammar import fill_along
+from engine.structured.compiler import ll_tokenizer
 from engine.structured.spec import StructuredOutputs
 from serving import cli
 from serving.openai.metrics import ServerMetrics
 from tests.conftest import PAGE
-from tests.engine.tiny_model import VOCAB_SIZE, write_tiny_checkpoint
+from tests.engine.tiny_model import EOS_ID, VOCAB_SIZE, write_tiny_checkpoint
 
 
 def brute_force_propose(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -207,6 +211,52 @@ def assert_constrained(outputs) -> None:
     jsonschema.validate(json.loads(texts[0]), SCHEMA)
     assert re.fullmatch(REGEX, texts[1]), texts[1]
     assert texts[2] in CHOICES, texts[2]
+
+
+def test_masks_along_a_proposal_equal_fresh_matchers(tiny):
+    """valid_prefix and fill_along against matchers of their own fed each prefix: the valid
+    prefix is the longest one a fresh matcher consumes, row j is the mask after j proposals
+    (up to the proposal that ends the grammar), and the matcher is left where it was."""
+    cfg, _, tokenizer = tiny
+    spec = StructuredOutputs(choice=("ab", "abc", "bcd"))
+    llt = ll_tokenizer(tokenizer, cfg.vocab_size)
+
+    def fresh(tokens: list[int]) -> LLMatcher:
+        matcher = LLMatcher(llt, spec.to_grammar(), log_level=0)
+        assert matcher.consume_tokens(tokens)
+        return matcher
+
+    def mask_of(matcher: LLMatcher) -> np.ndarray:
+        mask = allocate_token_bitmask(1, cfg.vocab_size)
+        fill_next_token_bitmask(matcher, mask)
+        return mask[0]
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    cases = [("", "abc"), ("", "ab"), ("", "abx"), ("", "bcdd"), ("a", "bc"), ("", "x")]
+    for before, text in cases:
+        for drafts in (encode(text), [*encode(text), EOS_ID]):
+            matcher = fresh(encode(before))
+            start_mask = mask_of(matcher)
+            longest = max(
+                m for m in range(len(drafts) + 1) if _consumes(fresh(encode(before)), drafts[:m])
+            )
+            kept = grammar.valid_prefix(matcher, drafts)
+            assert kept == drafts[:longest], (before, drafts)
+            rows = np.full((len(drafts) + 1, bitmask_words(cfg.vocab_size)), -1, np.int32)
+            fill_along(matcher, kept, rows)
+            for j in range(len(kept) + 1):
+                oracle = fresh(encode(before) + kept[:j])
+                if oracle.is_stopped():  # proposal j - 1 ends the grammar: nothing follows it
+                    break
+                np.testing.assert_array_equal(rows[j], mask_of(oracle), err_msg=f"{drafts} {j}")
+            np.testing.assert_array_equal(mask_of(matcher), start_mask)  # rolled back
+            assert grammar.valid_prefix(matcher, drafts) == kept
+
+
+def _consumes(matcher: LLMatcher, tokens: list[int]) -> bool:
+    return all(matcher.consume_token(t) and not matcher.is_error() for t in tokens)
 
 
 def test_structured_output_speculates_within_its_grammar(spec3, engine, tiny, monkeypatch):
