@@ -9,10 +9,11 @@ length advances by its accepted tokens only, the next step overwrites the rest, 
 holding nothing computed go back to the free list.
 
 Speculation is skipped for a step with more than `disable_by_batch_size` sequences and for a
-sequence whose acceptance rate stays below `min_acceptance_rate`; a step where nobody proposes
-runs the plain step. A sequence with structured output speculates within its grammar
-(engine/speculative/grammar.py: proposals cut where the grammar rejects them, a token bitmask
-per verified position). The loop is the synchronous one: schedule, propose, run, wait, record.
+sequence whose acceptance rate stays below `min_acceptance_rate` (until it tries again,
+`acceptance_reprobe_steps` steps later); a step where nobody proposes runs the plain step. A
+sequence with structured output speculates within its grammar (engine/speculative/grammar.py:
+proposals cut where the grammar rejects them, a token bitmask per verified position). The loop
+is the synchronous one: schedule, propose, run, wait, record.
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ class SpecDecodeCounters:
 
 @dataclass
 class _Acceptance:
+    """A request's proposed and accepted tokens since its window started, and the decode steps
+    it has run without speculation since its acceptance was found too low."""
+
     proposed: int = 0
     accepted: int = 0
+    steps_off: int = 0
 
 
 class SpeculativeEngine(LLMEngine):
@@ -176,10 +181,25 @@ class SpeculativeEngine(LLMEngine):
         return max(room, 0)
 
     def _accepts_enough(self, request: Request) -> bool:
+        """Whether the request speculates in this step: yes until its window is full, then
+        while its acceptance rate is high enough; one found too low sits out
+        `acceptance_reprobe_steps` steps in which it could have speculated, then starts a
+        fresh window (acceptance changes as the output does: a quoting passage may follow
+        free text)."""
+        config = self.speculative
         seen = self._acceptance.get(request.request_id)
-        if seen is None or seen.proposed < self.speculative.acceptance_window:
+        if seen is None or seen.proposed < config.acceptance_window:
             return True
-        return seen.accepted >= self.speculative.min_acceptance_rate * seen.proposed
+        if seen.accepted >= config.min_acceptance_rate * seen.proposed:
+            return True
+        seen.steps_off += 1
+        if (
+            config.acceptance_reprobe_steps is None
+            or seen.steps_off <= config.acceptance_reprobe_steps
+        ):
+            return False
+        self._acceptance[request.request_id] = _Acceptance()
+        return True
 
     # ---- the loop ----------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ compilation after warm-up. The n-gram proposer against a brute-force search."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -30,6 +31,7 @@ from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
 from engine.sampling import bitmask_words
 from engine.speculative import grammar, ngram
+from engine.speculative.draft import NgramProposer, Proposals
 from engine.speculative.engine import SpeculativeEngine
 from engine.speculative.grammar import fill_along
 from engine.structured.compiler import ll_tokenizer
@@ -283,6 +285,66 @@ def test_structured_output_speculates_within_its_grammar(spec3, engine, tiny, mo
     assert spec3.stats().compilations_after_warm_up == 0
     assert_idle(spec3)
     assert all(spec3.grammars.get(r.request_id) is None for r in got)
+
+
+class StepRecorder:
+    """An engine whose steps record (tokens proposed, tokens accepted) each."""
+
+    def __init__(self, engine: SpeculativeEngine):
+        self.engine = engine
+        self.history: list[tuple[int, int]] = []
+
+    def add_request(self, *args) -> None:
+        self.engine.add_request(*args)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self):
+        before = self.engine.stats()
+        outputs = self.engine.step()
+        after = self.engine.stats()
+        self.history.append(
+            (
+                after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+            )
+        )
+        return outputs
+
+
+class WrongProposer(NgramProposer):
+    """Proposes token 0 as far as each sequence may: rejected wherever the model does not
+    emit 0 (the tiny model's greedy output here never does)."""
+
+    def propose(self, out, rooms, kv) -> Proposals:
+        return Proposals([[0] * room for room in rooms])
+
+
+@pytest.mark.parametrize("reprobe", [None, 3])
+def test_low_acceptance_turns_speculation_off_then_reprobes(spec3, engine, monkeypatch, reprobe):
+    """A request whose proposals are all rejected stops speculating once its window is full
+    (window 1): for good with acceptance_reprobe_steps None, else it sits out exactly that many
+    steps and proposes again; the output is the plain engine's either way."""
+    config = dataclasses.replace(
+        spec3.speculative, acceptance_window=1, acceptance_reprobe_steps=reprobe
+    )
+    monkeypatch.setattr(spec3, "speculative", config)
+    monkeypatch.setattr(spec3, "proposer", WrongProposer(config))
+    batch, params = prompts(2, 1), [SamplingParams(temperature=0, max_tokens=24)]
+    want = run(engine, batch, params)
+    assert 0 not in want[0].outputs[0].token_ids
+    recorder = StepRecorder(spec3)
+    got = run(recorder, batch, params)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    proposing = [i for i, (proposed, _) in enumerate(recorder.history) if proposed]
+    assert sum(accepted for _, accepted in recorder.history) == 0
+    if reprobe is None:
+        assert len(proposing) == 1
+    else:
+        assert len(proposing) >= 3
+        assert np.diff(proposing).tolist() == [reprobe + 1] * (len(proposing) - 1)
+    assert_idle(spec3)
 
 
 def test_abort_mid_run_frees_every_page(spec3):
