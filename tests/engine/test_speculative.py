@@ -274,6 +274,7 @@ def test_structured_output_speculates_within_its_grammar(spec3, engine, tiny, mo
     monkeypatch.setattr(grammar, "fill_along", spy)
     batch, params = constrained_batch(tiny[2])
     want = run(engine, batch, params)
+    compilations = spec3.stats().compilations_after_warm_up  # the process's: other engines'
     got = run(spec3, batch, params)
     for g, w in zip(got, want, strict=True):
         assert (g.outputs[0].token_ids, g.outputs[0].finish_reason) == (
@@ -282,7 +283,7 @@ def test_structured_output_speculates_within_its_grammar(spec3, engine, tiny, mo
         )
     assert_constrained(got)
     assert sum(verified) > 0
-    assert spec3.stats().compilations_after_warm_up == 0
+    assert spec3.stats().compilations_after_warm_up == compilations
     assert_idle(spec3)
     assert all(spec3.grammars.get(r.request_id) is None for r in got)
 
