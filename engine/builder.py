@@ -92,9 +92,15 @@ def _engines(
     multi = jax.process_count() > 1
     # Replicas and followers must hold every step before the first one runs.
     warm_up = config.compilation.warm_up == "eager" or multi or layout.num_replicas > 1
-    if config.speculative is not None and (multi or layout.num_devices > 1):
+    if config.speculative is not None and multi:
         raise XlaserveError(
-            "speculative decoding over several devices or processes is not supported yet"
+            "speculative decoding over several processes is not supported yet (the followers "
+            "replay the plain step only)"
+        )
+    if config.speculative is not None and config.speculative.model and layout.num_devices > 1:
+        raise XlaserveError(
+            "speculative decoding with a draft model over several devices is not supported yet "
+            "(the draft model runs on one device); use method 'ngram'"
         )
     grammars = GrammarCompiler(tokenizer, checkpoint.cfg.vocab_size, config.structured)
     grammars.prepare()

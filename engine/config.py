@@ -355,8 +355,10 @@ class SpeculativeConfig:
     suffix of `prompt_lookup_min`..`prompt_lookup_max` tokens seen before. Speculation is off
     for a step with more than `disable_by_batch_size` running sequences, and for a request
     whose acceptance rate after `acceptance_window` proposed tokens is below
-    `min_acceptance_rate`. `draft_model`: proposals sampled from `model`, a smaller model
-    with the target's tokenizer, run in the same engine with its own paged cache.
+    `min_acceptance_rate`; such a request tries again (a fresh window) after
+    `acceptance_reprobe_steps` steps in which it could have speculated (None: never).
+    `draft_model`: proposals sampled from `model`, a smaller model with the target's
+    tokenizer, run in the same engine with its own paged cache.
     """
 
     method: str
@@ -367,6 +369,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 4
     min_acceptance_rate: float = 0.1
     acceptance_window: int = 32
+    acceptance_reprobe_steps: int | None = 128
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -394,6 +397,11 @@ class SpeculativeConfig:
             )
         if self.acceptance_window < 1:
             raise ValueError(f"acceptance_window must be >= 1, got {self.acceptance_window}")
+        if self.acceptance_reprobe_steps is not None and self.acceptance_reprobe_steps < 1:
+            raise ValueError(
+                f"acceptance_reprobe_steps must be >= 1 (or null: never), got "
+                f"{self.acceptance_reprobe_steps}"
+            )
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

@@ -125,6 +125,15 @@ class DataParallelEngine:
                 tuple(map(sum, zip(*rows, strict=True)))
                 for rows in zip(*(s.expert_tokens for s in each), strict=True)
             ),
+            spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in each),
+            spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in each),
+            spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in each),
+            spec_decode_num_accepted_tokens_per_pos=tuple(
+                map(
+                    sum,
+                    zip(*(s.spec_decode_num_accepted_tokens_per_pos for s in each), strict=True),
+                )
+            ),
         )
 
     def health(self) -> Health:

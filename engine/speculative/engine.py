@@ -8,10 +8,12 @@ KV of rejected proposals is discarded by not counting it: a verified sequence's 
 length advances by its accepted tokens only, the next step overwrites the rest, and tail pages
 holding nothing computed go back to the free list.
 
-Speculation is skipped for a step with more than `disable_by_batch_size` sequences, for a
-sequence whose acceptance rate stays below `min_acceptance_rate`, and for sequences with
-structured output (their grammar cannot follow proposals yet); a step where nobody proposes
-runs the plain step. The loop is the synchronous one: schedule, propose, run, wait, record.
+Speculation is skipped for a step with more than `disable_by_batch_size` sequences and for a
+sequence whose acceptance rate stays below `min_acceptance_rate` (until it tries again,
+`acceptance_reprobe_steps` steps later); a step where nobody proposes runs the plain step. A
+sequence with structured output speculates within its grammar (engine/speculative/grammar.py:
+proposals cut where the grammar rejects them, a token bitmask per verified position). The loop
+is the synchronous one: schedule, propose, run, wait, record.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from engine.output_processor import StopDecision
 from engine.protocol import EngineStats
 from engine.request import Request, RequestOutput
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.speculative import grammar
 from engine.speculative.draft import DraftModelProposer, NgramProposer, Proposals, Proposer
 from engine.speculative.verify import Verifier, VerifyResult
 
@@ -61,8 +64,12 @@ class SpecDecodeCounters:
 
 @dataclass
 class _Acceptance:
+    """A request's proposed and accepted tokens since its window started, and the decode steps
+    it has run without speculation since its acceptance was found too low."""
+
     proposed: int = 0
     accepted: int = 0
+    steps_off: int = 0
 
 
 class SpeculativeEngine(LLMEngine):
@@ -77,8 +84,11 @@ class SpeculativeEngine(LLMEngine):
         **kwargs: Any,
     ):
         """`draft`: the draft model's config and parameters (method draft_model)."""
-        if kwargs.get("mesh") is not None or kwargs.get("layout") is not None:
-            raise XlaserveError("speculative decoding is not supported with a device mesh yet")
+        if kwargs.get("mesh") is not None and draft is not None:
+            raise XlaserveError(
+                "speculative decoding with a draft model over a device mesh is not supported "
+                "yet (the draft model runs on one device); use method 'ngram'"
+            )
         if (speculative.method == "draft_model") != (draft is not None):
             raise XlaserveError("a draft model's weights go with method 'draft_model' only")
         super().__init__(*args, warm_up=False, **kwargs)
@@ -125,15 +135,18 @@ class SpeculativeEngine(LLMEngine):
             self.proposer.follow(out, self.kv_cache)
             return None
         proposals = self.proposer.propose(out, rooms, self.kv_cache)
+        kept = []
         for i, (scheduled, drafts) in enumerate(zip(out.scheduled, proposals.drafts, strict=True)):
             request = scheduled.request
+            drafts = grammar.valid_prefix(self.grammars.get(request.request_id), drafts)
+            kept.append(drafts)
             if rooms[i] > len(drafts):
                 self.kv_cache.shrink(request.request_id, request.num_tokens + len(drafts))
             if drafts:
                 out.scheduled[i] = ScheduledRequest(
                     request, scheduled.start, 1 + len(drafts), tuple(drafts)
                 )
-        return proposals if any(proposals.drafts) else None
+        return dataclasses.replace(proposals, drafts=kept) if any(kept) else None
 
     def _rooms(self, out: SchedulerOutput) -> list[int]:
         """How many tokens each scheduled sequence may propose, with pages allocated for them
@@ -159,7 +172,7 @@ class SpeculativeEngine(LLMEngine):
         params = request.sampling_params
         if scheduled.num_new_tokens != 1 or not scheduled.completes_sequence:
             return 0  # prefilling
-        if params.structured_outputs is not None or not self._accepts_enough(request):
+        if not self._accepts_enough(request):
             return 0
         num_out = len(request.output_token_ids)
         room = min(self.speculative.num_speculative_tokens, params.max_tokens - num_out - 1)
@@ -168,10 +181,25 @@ class SpeculativeEngine(LLMEngine):
         return max(room, 0)
 
     def _accepts_enough(self, request: Request) -> bool:
+        """Whether the request speculates in this step: yes until its window is full, then
+        while its acceptance rate is high enough; one found too low sits out
+        `acceptance_reprobe_steps` steps in which it could have speculated, then starts a
+        fresh window (acceptance changes as the output does: a quoting passage may follow
+        free text)."""
+        config = self.speculative
         seen = self._acceptance.get(request.request_id)
-        if seen is None or seen.proposed < self.speculative.acceptance_window:
+        if seen is None or seen.proposed < config.acceptance_window:
             return True
-        return seen.accepted >= self.speculative.min_acceptance_rate * seen.proposed
+        if seen.accepted >= config.min_acceptance_rate * seen.proposed:
+            return True
+        seen.steps_off += 1
+        if (
+            config.acceptance_reprobe_steps is None
+            or seen.steps_off <= config.acceptance_reprobe_steps
+        ):
+            return False
+        self._acceptance[request.request_id] = _Acceptance()
+        return True
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -189,7 +217,11 @@ class SpeculativeEngine(LLMEngine):
             prompt_logprobs=any(p.prompt_logprobs is not None for p in params),
         )
         pending = self.verifier.dispatch(
-            out, self.kv_cache, options, self.grammars.filler(out), proposals.probs
+            out,
+            self.kv_cache,
+            options,
+            grammar.draft_filler(self.grammars, out, self.verifier.k),
+            proposals.probs,
         )
         completed = self.scheduler.update_after_step(out)
         return _Launched(out, completed, pending)  # type: ignore[arg-type]

@@ -200,24 +200,20 @@ def rejection_sample(
     draft_ids: jax.Array,  # i32[S, K]
     num_drafts: jax.Array,  # i32[S]; in [0, K]
     draft_probs: jax.Array | None = None,  # f32[S, K, V]; None: one-hot (n-gram proposals)
-    token_bitmask: HostOrDeviceArray | None = None,  # i32[S, W]; applies at position 0 only
+    token_bitmask: HostOrDeviceArray | None = None,  # i32[N, W]; row s * (K + 1) + j
     *,
     apply_penalties: bool,
 ) -> tuple[jax.Array, jax.Array]:  # i32[S, K+1], i32[S]
     """Verifies each sequence's proposals against the target logits; returns the emitted tokens
     (-1 past the end) and how many there are (>= 1). See the module docstring.
 
-    `token_bitmask` (structured output) constrains position 0 only: a constrained sequence
-    must come with no proposals (its grammar state cannot follow them)."""
+    `token_bitmask` (structured output): the tokens sequence s's grammar allows at position
+    j, after its proposals before j (engine/speculative/grammar.py); all ones for free rows."""
     num_seqs, k = draft_ids.shape
     vocab = logits.shape[-1]
     rows = expand_tensors(t, draft_ids, apply_penalties=apply_penalties)
-    mask = None
-    if token_bitmask is not None:
-        first = (jnp.arange(num_seqs * (k + 1)) % (k + 1) == 0)[:, None]
-        mask = jnp.where(first, jnp.repeat(jnp.asarray(token_bitmask), k + 1, axis=0), -1)
     processed, greedy_ids = _processed(
-        logits, rows, apply_penalties=apply_penalties, token_bitmask=mask
+        logits, rows, apply_penalties=apply_penalties, token_bitmask=token_bitmask
     )
     is_greedy = jnp.asarray(rows.temperature) == 0
     greedy_at = greedy_ids.reshape(num_seqs, k + 1)[:, :k]
@@ -275,7 +271,7 @@ def verify_step(
     draft_ids: jax.Array,  # i32[S, K]
     num_drafts: jax.Array,  # i32[S]
     want_logprobs: jax.Array,  # bool[]
-    token_bitmask: HostOrDeviceArray | None = None,  # i32[S, W]
+    token_bitmask: HostOrDeviceArray | None = None,  # i32[N, W]
     draft_probs: jax.Array | None = None,  # f32[S, K, V]; None: one-hot (n-gram)
     *,
     apply_penalties: bool,

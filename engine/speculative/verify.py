@@ -31,6 +31,7 @@ from engine.sampling import SamplerOutput, bitmask_words
 from engine.scheduler import SchedulerOutput
 from engine.speculative.rejection import VerifyOutput, jitted_verify
 from engine.step import StepOptions, attention_metadata
+from sharding.multihost import put_replicated
 
 
 @jax.tree_util.register_dataclass
@@ -80,10 +81,10 @@ class VerifyCompiledStep(CompiledStep):
     def _lower_sample(self, s: int, penalties: bool) -> Any:
         penalty_len = self.shapes.penalty_len if penalties else 0
         vocab = self.options.cfg.vocab_size
-        bitmask = np.zeros((s, bitmask_words(vocab)), np.int32)
+        bitmask = np.zeros((s * (self.k + 1), bitmask_words(vocab)), np.int32)
         probs = None
         if self.with_probs:
-            probs = jax.ShapeDtypeStruct((s, self.k, vocab), np.float32)
+            probs = jax.ShapeDtypeStruct((s, self.k, vocab), np.float32, sharding=self._replicated)
         return jitted_verify.lower(
             self._forward_info(seqs=s).logits,
             jax.tree.map(self._like, sampling_tensors([], s, penalty_len)),
@@ -117,6 +118,13 @@ def verify_indices(cu_q_lens: np.ndarray, num_drafts: np.ndarray, k: int) -> np.
     return indices.reshape(-1).astype(np.int32)
 
 
+def _put(runner: ModelRunner, tree: Any) -> Any:
+    """Host arrays -> the device, or replicated over the runner's mesh (tensor parallelism)."""
+    if runner.plan is None:
+        return jax.device_put(tree)
+    return put_replicated(tree, runner.plan.replicated)
+
+
 class Verifier:
     """Runs verification steps on a model runner's parameters and KV cache."""
 
@@ -148,7 +156,7 @@ class Verifier:
         out: SchedulerOutput,
         kv_manager: KVCacheManager,
         options: StepOptions,
-        fill_bitmask: FillBitmask | None = None,
+        fill_bitmask: FillBitmask | None = None,  # writes i32[S * (K + 1), W]
         draft_probs: jax.Array | None = None,  # f32[S, K, V]; None: one-hot (n-gram)
     ) -> VerifyResult:
         """Starts a verification step and returns at once (device arrays still computing)."""
@@ -161,17 +169,17 @@ class Verifier:
         verify = self.compiled.get(Variant("sample", seqs=s, penalties=options.apply_penalties))
         host = dataclasses.replace(batch, token_bitmask=None)
         want = np.bool_(options.num_top_logprobs > 0)
-        placed, indices, drafts, counts, want = jax.device_put(
-            (host, indices, drafts, counts, want)
-        )
+        placed, indices, drafts, counts, want = _put(runner, (host, indices, drafts, counts, want))
         lora = None if runner.lora is None else LoRAInputs(runner.lora.weights, placed.lora_slots)
         hidden_logits, runner.kv_caches = forward(
             runner.params, runner.kv_caches, placed.token_ids, placed.positions,
             attention_metadata(placed), indices, lora,
         )  # fmt: skip
+        words = bitmask_words(self.compiled.options.cfg.vocab_size)
+        host_mask = np.full((s * (self.k + 1), words), -1, np.int32)  # a mask per position
         if fill_bitmask is not None:
-            fill_bitmask(batch.token_bitmask)
-        bitmask = jax.device_put(batch.token_bitmask)
+            fill_bitmask(host_mask)
+        bitmask = _put(runner, host_mask)
         runs = verify(
             hidden_logits.logits, placed.sampling, drafts, counts, want, bitmask, draft_probs
         )

@@ -50,6 +50,11 @@ class GrammarMatchers:
     def __len__(self) -> int:
         return len(self._matchers)
 
+    def get(self, sequence_id: str) -> LLMatcher | None:
+        """The sequence's matcher (None: the sequence is free), for speculative decoding's
+        proposals (engine/speculative/grammar.py), which leave it where they found it."""
+        return self._matchers.get(sequence_id)
+
     def filler(self, out: SchedulerOutput) -> Callable[[np.ndarray], None] | None:
         """What writes the bitmask rows of `out`'s constrained sequences whose sample is kept
         (a prefill chunk's is not), or None if there are none (every row stays all ones)."""

@@ -1,15 +1,22 @@
 """Speculative decoding in the engine (engine/speculative/) on the tiny random Llama, against
 the shared plain engine as the oracle: greedy output token for token (k = 1, 3, 5; chunked
-prefill, prefix caching, preemption, n > 1, logprobs, stop strings and max_tokens inside an
-accepted run), seeded sampling independent of the batch, every page free at the end and no
+prefill, prefix caching, preemption, n > 1, logprobs, structured output, stop strings and
+max_tokens inside an accepted run), seeded sampling independent of the batch, every page free at
+the end and no
 compilation after warm-up. The n-gram proposer against a brute-force search."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
+import re
 
+import jsonschema
 import numpy as np
 import pytest
+from llguidance import LLMatcher
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from engine.builder import build_engine
 from engine.config import (
@@ -22,13 +29,17 @@ from engine.config import (
 from engine.errors import XlaserveError
 from engine.llm_engine import LLMEngine, run_to_completion
 from engine.request import SamplingParams
-from engine.speculative import ngram
+from engine.sampling import bitmask_words
+from engine.speculative import grammar, ngram
+from engine.speculative.draft import NgramProposer, Proposals
 from engine.speculative.engine import SpeculativeEngine
+from engine.speculative.grammar import fill_along
+from engine.structured.compiler import ll_tokenizer
 from engine.structured.spec import StructuredOutputs
 from serving import cli
 from serving.openai.metrics import ServerMetrics
 from tests.conftest import PAGE
-from tests.engine.tiny_model import VOCAB_SIZE, write_tiny_checkpoint
+from tests.engine.tiny_model import EOS_ID, VOCAB_SIZE, write_tiny_checkpoint
 
 
 def brute_force_propose(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -172,23 +183,168 @@ def test_seeded_sampling_is_independent_of_the_batch(spec3):
     assert_idle(spec3)
 
 
-def test_structured_output_rides_along_without_proposals(spec3, engine: LLMEngine):
-    """A regex-constrained request in the same verification steps as a speculating one: it
-    proposes nothing, its mask applies at its one scored position, and both give the plain
-    engine's output."""
-    batch = prompts(1, 2)
-    params = [
-        SamplingParams(temperature=0, max_tokens=12),
-        SamplingParams(
-            temperature=0, max_tokens=12, structured_outputs=StructuredOutputs(regex="[a-c]{6}")
-        ),
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+REGEX = "[a-c]{3}-[0-9]{2}"
+CHOICES = ("alpha", "beta", "gamma")
+
+
+def constrained_batch(tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
+    """A JSON schema, a regex and a choice whose prompts quote answers of theirs (n-gram lookup
+    proposes from them; the grammar cuts what it rejects), beside two free requests."""
+    texts = ['{"ok":true,"n":2} {"ok":', "abc-12 cab-21 ab", "beta gamma alpha be"]
+    specs = [
+        StructuredOutputs.from_schema(SCHEMA),
+        StructuredOutputs(regex=REGEX),
+        StructuredOutputs(choice=CHOICES),
     ]
+    batch = [tokenizer.encode(t, add_special_tokens=False) for t in texts] + prompts(5, 2)
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=s) for s in specs]
+    return batch, params + [SamplingParams(temperature=0, max_tokens=12)] * 2
+
+
+def assert_constrained(outputs) -> None:
+    """The constrained outputs (the first three) parse and follow their constraints."""
+    texts = [o.outputs[0].text for o in outputs[:3]]
+    jsonschema.validate(json.loads(texts[0]), SCHEMA)
+    assert re.fullmatch(REGEX, texts[1]), texts[1]
+    assert texts[2] in CHOICES, texts[2]
+
+
+def test_masks_along_a_proposal_equal_fresh_matchers(tiny):
+    """valid_prefix and fill_along against matchers of their own fed each prefix: the valid
+    prefix is the longest one a fresh matcher consumes, row j is the mask after j proposals
+    (up to the proposal that ends the grammar), and the matcher is left where it was."""
+    cfg, _, tokenizer = tiny
+    spec = StructuredOutputs(choice=("ab", "abc", "bcd"))
+    llt = ll_tokenizer(tokenizer, cfg.vocab_size)
+
+    def fresh(tokens: list[int]) -> LLMatcher:
+        matcher = LLMatcher(llt, spec.to_grammar(), log_level=0)
+        assert matcher.consume_tokens(tokens)
+        return matcher
+
+    def mask_of(matcher: LLMatcher) -> np.ndarray:
+        mask = allocate_token_bitmask(1, cfg.vocab_size)
+        fill_next_token_bitmask(matcher, mask)
+        return mask[0]
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    cases = [("", "abc"), ("", "ab"), ("", "abx"), ("", "bcdd"), ("a", "bc"), ("", "x")]
+    for before, text in cases:
+        for drafts in (encode(text), [*encode(text), EOS_ID]):
+            matcher = fresh(encode(before))
+            start_mask = mask_of(matcher)
+            longest = max(
+                m for m in range(len(drafts) + 1) if _consumes(fresh(encode(before)), drafts[:m])
+            )
+            kept = grammar.valid_prefix(matcher, drafts)
+            assert kept == drafts[:longest], (before, drafts)
+            rows = np.full((len(drafts) + 1, bitmask_words(cfg.vocab_size)), -1, np.int32)
+            fill_along(matcher, kept, rows)
+            for j in range(len(kept) + 1):
+                oracle = fresh(encode(before) + kept[:j])
+                if oracle.is_stopped():  # proposal j - 1 ends the grammar: nothing follows it
+                    break
+                np.testing.assert_array_equal(rows[j], mask_of(oracle), err_msg=f"{drafts} {j}")
+            np.testing.assert_array_equal(mask_of(matcher), start_mask)  # rolled back
+            assert grammar.valid_prefix(matcher, drafts) == kept
+
+
+def _consumes(matcher: LLMatcher, tokens: list[int]) -> bool:
+    return all(matcher.consume_token(t) and not matcher.is_error() for t in tokens)
+
+
+def test_structured_output_speculates_within_its_grammar(spec3, engine, tiny, monkeypatch):
+    """Constrained greedy requests (JSON schema, regex, choice) in the same verification steps
+    as free ones give the plain engine's tokens, and their proposals were verified (a mask per
+    position): the grammar's masks apply at every verified position, not only the first."""
+    verified: list[int] = []  # proposals of constrained rows, as masked
+
+    def spy(matcher, drafts, bitmask):
+        verified.append(len(drafts))
+        return fill_along(matcher, drafts, bitmask)
+
+    monkeypatch.setattr(grammar, "fill_along", spy)
+    batch, params = constrained_batch(tiny[2])
     want = run(engine, batch, params)
-    before = spec3.stats().spec_decode_num_drafts
+    compilations = spec3.stats().compilations_after_warm_up  # the process's: other engines'
     got = run(spec3, batch, params)
-    assert [g.outputs[0].text for g in got] == [w.outputs[0].text for w in want]
-    assert len(got[1].outputs[0].text) == 6
-    assert spec3.stats().spec_decode_num_drafts > before
+    for g, w in zip(got, want, strict=True):
+        assert (g.outputs[0].token_ids, g.outputs[0].finish_reason) == (
+            w.outputs[0].token_ids,
+            w.outputs[0].finish_reason,
+        )
+    assert_constrained(got)
+    assert sum(verified) > 0
+    assert spec3.stats().compilations_after_warm_up == compilations
+    assert_idle(spec3)
+    assert all(spec3.grammars.get(r.request_id) is None for r in got)
+
+
+class StepRecorder:
+    """An engine whose steps record (tokens proposed, tokens accepted) each."""
+
+    def __init__(self, engine: SpeculativeEngine):
+        self.engine = engine
+        self.history: list[tuple[int, int]] = []
+
+    def add_request(self, *args) -> None:
+        self.engine.add_request(*args)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self):
+        before = self.engine.stats()
+        outputs = self.engine.step()
+        after = self.engine.stats()
+        self.history.append(
+            (
+                after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+            )
+        )
+        return outputs
+
+
+class WrongProposer(NgramProposer):
+    """Proposes token 0 as far as each sequence may: rejected wherever the model does not
+    emit 0 (the tiny model's greedy output here never does)."""
+
+    def propose(self, out, rooms, kv) -> Proposals:
+        return Proposals([[0] * room for room in rooms])
+
+
+@pytest.mark.parametrize("reprobe", [None, 3])
+def test_low_acceptance_turns_speculation_off_then_reprobes(spec3, engine, monkeypatch, reprobe):
+    """A request whose proposals are all rejected stops speculating once its window is full
+    (window 1): for good with acceptance_reprobe_steps None, else it sits out exactly that many
+    steps and proposes again; the output is the plain engine's either way."""
+    config = dataclasses.replace(
+        spec3.speculative, acceptance_window=1, acceptance_reprobe_steps=reprobe
+    )
+    monkeypatch.setattr(spec3, "speculative", config)
+    monkeypatch.setattr(spec3, "proposer", WrongProposer(config))
+    batch, params = prompts(2, 1), [SamplingParams(temperature=0, max_tokens=24)]
+    want = run(engine, batch, params)
+    assert 0 not in want[0].outputs[0].token_ids
+    recorder = StepRecorder(spec3)
+    got = run(recorder, batch, params)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    proposing = [i for i, (proposed, _) in enumerate(recorder.history) if proposed]
+    assert sum(accepted for _, accepted in recorder.history) == 0
+    if reprobe is None:
+        assert len(proposing) == 1
+    else:
+        assert len(proposing) >= 3
+        assert np.diff(proposing).tolist() == [reprobe + 1] * (len(proposing) - 1)
     assert_idle(spec3)
 
 
@@ -266,7 +422,9 @@ def draft_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_draft_model_greedy_equals_plain_greedy(tiny_dir, draft_dir, engine: LLMEngine, k: int):
+def test_draft_model_greedy_equals_plain_greedy(
+    tiny, tiny_dir, draft_dir, engine: LLMEngine, k: int
+):
     """Built from an EngineConfig as a server builds it (compiled lazily)."""
     spec = build_engine(
         EngineConfig(
@@ -280,9 +438,14 @@ def test_draft_model_greedy_equals_plain_greedy(tiny_dir, draft_dir, engine: LLM
     assert isinstance(spec, SpeculativeEngine)
     batch = prompts(20 + k, 3)
     params = greedy_mix(len(batch))
+    if k == 3:  # constrained requests too: the draft's proposals cut where the grammar rejects
+        constrained, constraints = constrained_batch(tiny[2])
+        batch, params = constrained[:3] + batch, constraints[:3] + params
     want = run(engine, batch, params)
     got = run(spec, batch, params)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    if k == 3:
+        assert_constrained(got)
     assert spec.stats().spec_decode_num_draft_tokens > 0
     assert_idle(spec)
     spec.close()
