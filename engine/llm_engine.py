@@ -36,6 +36,7 @@ from engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
+from engine.detokenizer import Detokenizers
 from engine.errors import InvalidRequestError, XlaserveError
 from engine.kv_cache import KVCacheManager, describe_kv_cache
 from engine.lora import LoRAError, LoRARegistry
@@ -173,6 +174,7 @@ class LLMEngine:
             self.scheduler.adapter_ready = self._adapter_ready
         grammars = grammars or GrammarCompiler(tokenizer, cfg.vocab_size, StructuredOutputConfig())
         self.grammars = GrammarMatchers(grammars)
+        self._detokenizers = Detokenizers(tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
         self.counters = _Counters()
@@ -286,7 +288,9 @@ class LLMEngine:
                 self.grammars.remove(child.request_id)
             raise
         outputs = [
-            SequenceOutput(self.tokenizer, params, self.scheduler_config.model_len)
+            SequenceOutput(
+                self.tokenizer, params, self.scheduler_config.model_len, self._detokenizers
+            )
             for _ in children
         ]
         parent = _Parent(request_id, ids, children, outputs, pending=children[1:])
