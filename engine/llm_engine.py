@@ -433,7 +433,9 @@ class LLMEngine:
         self, out: SchedulerOutput, completed: list[Request], result: StepOutput
     ) -> list[RequestOutput]:
         row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
-        progressed: dict[str, tuple[_Parent, list[int]]] = {}
+        tokens = result.token_ids.tolist()  # one conversion, not a NumPy scalar per sequence
+        progressed: dict[str, list[int]] = {}  # request id -> its choices that progressed
+        parents: list[_Parent] = []  # in the order they first progressed
         now = time.monotonic()
         for request in completed:
             request.num_pending_tokens -= 1
@@ -442,9 +444,14 @@ class LLMEngine:
             i = row[request.request_id]
             k = request.sampling_params.logprobs
             entry = None if k is None else _logprob_entry(result, i, k)
-            parent, index, _ = self._record_token(request, int(result.token_ids[i]), entry, now)
-            progressed.setdefault(parent.request_id, (parent, []))[1].append(index)
-        return [self._request_output(p, indices) for p, indices in progressed.values()]
+            parent, index, _ = self._record_token(request, tokens[i], entry, now)
+            indices = progressed.get(parent.request_id)
+            if indices is None:
+                progressed[parent.request_id] = [index]
+                parents.append(parent)
+            else:
+                indices.append(index)
+        return [self._request_output(p, progressed[p.request_id]) for p in parents]
 
     def _record_token(
         self, request: Request, token: int, logprobs: dict[int, float] | None, now: float
@@ -462,9 +469,10 @@ class LLMEngine:
                 self.scheduler.add_request(sibling)
             parent.pending.clear()
         decision = parent.outputs[index].append(request, token)
-        grammar = self.grammars.advance(request.request_id, token)
-        if decision is None and grammar in (GrammarState.DONE, GrammarState.ERROR):
-            decision = parent.outputs[index].grammar_done()
+        if request.sampling_params.structured_outputs is not None:  # it has a grammar
+            grammar = self.grammars.advance(request.request_id, token)
+            if decision is None and grammar in (GrammarState.DONE, GrammarState.ERROR):
+                decision = parent.outputs[index].grammar_done()
         if decision is not None:
             self._finish(parent, index, decision)
         self.counters.num_generation_tokens += 1
