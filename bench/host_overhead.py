@@ -49,6 +49,7 @@ from bench import baselines, common
 from engine import compilation
 from engine.builder import build_engine
 from engine.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig
+from engine.host_gc import freeze_startup_objects
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 
@@ -324,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     )
     assert isinstance(engine, LLMEngine)
+    freeze_startup_objects()  # as `xlaserve serve` does once its engine is built
     clock = instrument(engine)
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.async_scheduling]
     measured = {

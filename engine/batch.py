@@ -6,6 +6,7 @@ Boundary code: NumPy only; the model runner moves the result to the device.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,42 +138,18 @@ class BatchBuilder:
         next_ids, lora_slots, token_src = buf["next_token_ids"], buf["lora_slots"], buf["token_src"]
         next_ids[:t] = -1
         token_src[:t] = -1
-        offset = 0
-        rows = {}
-        for i, scheduled in enumerate(out.scheduled):
-            assert kv_cache is not None
-            request, start, n = scheduled.request, scheduled.start, scheduled.num_new_tokens
-            rows[request.request_id] = i
-            pages = kv_cache.page_table(request.request_id)
-            page_table[i, : len(pages)] = pages
-            # every token is known but a pending one (speculation is never asynchronous)
-            known = n if scheduled.draft_token_ids else min(request.num_tokens - start, n)
-            if n == 1:  # a decode, most rows of most steps: scalar writes, no NumPy temporaries
-                positions[offset] = start
-                slots[offset] = pages[start // self.page_size] * self.page_size + (
-                    start % self.page_size
-                )
-                token_ids[offset] = _token_at(request, start) if known else 0
-            else:
-                table = np.asarray(pages, np.int32)
-                pos = np.arange(start, start + n, dtype=np.int32)
-                token_ids[offset : offset + known] = scheduled.token_ids
-                positions[offset : offset + n] = pos
-                slots[offset : offset + n] = table[pos // self.page_size] * self.page_size + (
-                    pos % self.page_size
-                )
-            if known < n:  # the last token is pending: the previous step samples it
-                token_src[offset + known] = self._last_rows[request.request_id]
-                token_ids[offset + known] = 0
-            if request.sampling_params.prompt_logprobs is not None:
-                following = request.prompt_token_ids[start + 1 : start + n + 1]
-                next_ids[offset : offset + len(following)] = following
-            kv_lens[i] = start + n
-            lora_slots[offset : offset + n] = request.lora_slot
-            offset += n
-            cu_q_lens[i + 1] = offset
-        num_seqs = len(out.scheduled)
-        self._last_rows = rows
+        rows = _Rows.gather(out, kv_cache, self._last_rows)
+        self._last_rows = rows.index
+        num_seqs, offset = len(out.scheduled), len(rows.token_ids)
+        if num_seqs:
+            rows.write(token_ids, positions, slots, page_table, self.page_size)
+            counts = np.asarray(rows.counts, np.int32)  # i32[n]
+            np.cumsum(counts, out=cu_q_lens[1 : num_seqs + 1])
+            kv_lens[:num_seqs] = rows.starts + counts
+            lora_slots[:offset] = np.repeat(np.asarray(rows.lora_slots, np.int32), counts)
+            token_src[rows.src_at] = rows.src_rows
+            for at, following in rows.next_ids:  # prompt logprobs: each token's successor
+                next_ids[at : at + len(following)] = following
         token_ids[offset:t] = 0
         positions[offset:t] = 0
         slots[offset:t] = -1
@@ -209,12 +186,75 @@ class BatchBuilder:
         return sampling_tensors(requests, s, penalty_len, self.eos_token_ids)
 
 
-def _token_at(request: Request, position: int) -> int:
-    """The request's token at `position` (without joining prompt and output)."""
-    prompt = request.prompt_token_ids
-    if position < len(prompt):
-        return prompt[position]
-    return request.output_token_ids[position - len(prompt)]
+@dataclass
+class _Rows:
+    """A step's scheduled sequences as flat lists, gathered in one pass over them, for NumPy to
+    write into the batch in a few whole-batch operations."""
+
+    index: dict[str, int]  # request id -> its row
+    starts: np.ndarray  # i32[n]: each row's first position
+    counts: list[int]  # tokens of each row
+    lora_slots: list[int]  # each row's adapter slot
+    pages: list[list[int]]  # each row's page table
+    token_ids: list[int]  # every token of the step (0 where it is pending on the device)
+    src_at: list[int]  # tokens pending on the device ...
+    src_rows: list[int]  # ... and their rows among the previous step's samples
+    next_ids: list[tuple[int, list[int]]]  # (token offset, prompt tokens after each)
+
+    @classmethod
+    def gather(
+        cls, out: SchedulerOutput, kv_cache: KVCacheManager | None, last_rows: dict[str, int]
+    ) -> _Rows:
+        rows = cls({}, np.zeros(0, np.int32), [], [], [], [], [], [], [])
+        starts: list[int] = []
+        tokens = rows.token_ids
+        for i, scheduled in enumerate(out.scheduled):
+            assert kv_cache is not None
+            request, start, n = scheduled.request, scheduled.start, scheduled.num_new_tokens
+            prompt, output = request.prompt_token_ids, request.output_token_ids
+            rows.index[request.request_id] = i
+            rows.pages.append(kv_cache.page_table(request.request_id))
+            offset = len(tokens)
+            # every token is known but a pending one (speculation is never asynchronous)
+            num_tokens = len(prompt) + len(output)
+            known = n if scheduled.draft_token_ids else min(num_tokens - start, n)
+            if n == 1 and known:  # a decode, most rows of most steps: no joined token list
+                tokens.append(prompt[start] if start < len(prompt) else output[start - len(prompt)])
+            elif known:
+                tokens += scheduled.token_ids
+            if known < n:  # the last token is pending: the previous step samples it
+                rows.src_at.append(offset + known)
+                rows.src_rows.append(last_rows[request.request_id])
+                tokens.append(0)
+            if request.sampling_params.prompt_logprobs is not None:
+                rows.next_ids.append((offset, prompt[start + 1 : start + n + 1]))
+            starts.append(start)
+            rows.counts.append(n)
+            rows.lora_slots.append(request.lora_slot)
+        rows.starts = np.asarray(starts, np.int32)
+        return rows
+
+    def write(
+        self,
+        token_ids: np.ndarray,  # i32[T]
+        positions: np.ndarray,  # i32[T]
+        slots: np.ndarray,  # i32[T]
+        page_table: np.ndarray,  # i32[S, P]
+        page_size: int,
+    ) -> None:
+        """Fills the first rows of the page table (each row's pages; entries past them are left
+        as they are) and the tokens' ids, positions and slots."""
+        n, total = len(self.counts), len(self.token_ids)
+        lengths = np.fromiter(map(len, self.pages), np.int64, n)
+        flat = np.fromiter(itertools.chain.from_iterable(self.pages), np.int32, int(lengths.sum()))
+        first = np.repeat(np.cumsum(lengths) - lengths, lengths)  # each entry's row start
+        page_table[np.repeat(np.arange(n), lengths), np.arange(len(flat)) - first] = flat
+        token_ids[:total] = self.token_ids
+        counts = np.asarray(self.counts, np.int64)
+        row = np.repeat(np.arange(n), counts)  # each token's row
+        pos = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts) + self.starts[row]
+        positions[:total] = pos
+        slots[:total] = page_table[row, pos // page_size] * page_size + pos % page_size
 
 
 def sampling_tensors(
@@ -227,18 +267,30 @@ def sampling_tensors(
     defaults. Penalty id lists are only filled when `penalty_len` > 0."""
     n = len(requests)
     params = [r.sampling_params for r in requests]
+    # One row of the per-sequence columns per request, in one pass: f64 holds each exactly
+    # (floats as given, integers far below 2**53), so each column's cast is the direct one's.
+    values = np.array(
+        [
+            (p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.repetition_penalty,
+             p.presence_penalty, p.frequency_penalty, r.seed,
+             len(r.output_token_ids) + r.num_pending_tokens)
+            for r, p in zip(requests, params, strict=True)
+        ],
+        np.float64,
+    ).reshape(n, 9)  # fmt: skip
 
-    def column(values: list[float] | list[int], dtype: type, pad: float) -> np.ndarray:
+    def column(j: int, dtype: type, pad: float) -> np.ndarray:
         array: np.ndarray = np.full(num_seqs, pad, dtype)
-        array[:n] = values
+        array[:n] = values[:, j]
         return array
 
     bias_ids = np.full((num_seqs, BIAS_WIDTH), -1, np.int32)
     bias_values = np.zeros((num_seqs, BIAS_WIDTH), np.float32)
-    for i, r in enumerate(requests):
-        ids, values = _bias(r, eos_token_ids)
-        bias_ids[i, : len(ids)] = ids
-        bias_values[i, : len(ids)] = values
+    for i, (r, p) in enumerate(zip(requests, params, strict=True)):
+        if p.logit_bias or len(r.output_token_ids) + r.num_pending_tokens < p.min_tokens:
+            ids, bias = _bias(r, eos_token_ids)
+            bias_ids[i, : len(ids)] = ids
+            bias_values[i, : len(ids)] = bias
     prompt_ids = np.full((num_seqs, penalty_len), -1, np.int32)
     output_ids = np.full((num_seqs, penalty_len), -1, np.int32)
     if penalty_len:
@@ -246,17 +298,17 @@ def sampling_tensors(
             prompt_ids[i, : len(r.prompt_token_ids)] = r.prompt_token_ids
             output_ids[i, : len(r.output_token_ids)] = r.output_token_ids
     return SamplingTensors(
-        temperature=column([p.temperature for p in params], np.float32, 0.0),
-        top_k=column([max(p.top_k, 0) for p in params], np.int32, 0),
-        top_p=column([p.top_p for p in params], np.float32, 1.0),
-        min_p=column([p.min_p for p in params], np.float32, 0.0),
-        repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1.0),
-        presence_penalty=column([p.presence_penalty for p in params], np.float32, 0.0),
-        frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0.0),
+        temperature=column(0, np.float32, 0.0),
+        top_k=column(1, np.int32, 0),
+        top_p=column(2, np.float32, 1.0),
+        min_p=column(3, np.float32, 0.0),
+        repetition_penalty=column(4, np.float32, 1.0),
+        presence_penalty=column(5, np.float32, 0.0),
+        frequency_penalty=column(6, np.float32, 0.0),
         bias_ids=bias_ids,
         bias_values=bias_values,
-        seeds=column([r.seed for r in requests], np.uint32, 0),
-        output_index=column([r.num_output_tokens_with_pending for r in requests], np.int32, 0),
+        seeds=column(7, np.uint32, 0),
+        output_index=column(8, np.int32, 0),
         prompt_ids=prompt_ids,
         output_ids=output_ids,
     )

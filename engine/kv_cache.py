@@ -163,7 +163,14 @@ class KVCacheManager:
         only. Returns the newly allocated pages (cached ones excluded), or None, changing nothing,
         if there are not enough free pages even after evicting cached content.
         """
-        held = len(self._tables.get(request_id, ()))
+        table = self._tables.get(request_id)
+        if (
+            not cached_pages
+            and table is not None
+            and 0 <= num_tokens <= len(table) * self.page_size
+        ):
+            return []  # it holds them already: most decode steps
+        held = 0 if table is None else len(table)
         if cached_pages and held:
             raise ValueError(f"request {request_id!r} already holds {held} pages")
         chain = [self._hash_of(page) for page in cached_pages]

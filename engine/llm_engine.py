@@ -36,6 +36,7 @@ from engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
+from engine.detokenizer import Detokenizers
 from engine.errors import InvalidRequestError, XlaserveError
 from engine.kv_cache import KVCacheManager, describe_kv_cache
 from engine.lora import LoRAError, LoRARegistry
@@ -176,6 +177,7 @@ class LLMEngine:
             self.scheduler.adapter_ready = self._adapter_ready
         grammars = grammars or GrammarCompiler(tokenizer, cfg.vocab_size, StructuredOutputConfig())
         self.grammars = GrammarMatchers(grammars)
+        self._detokenizers = Detokenizers(tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
         self.counters = _Counters()
@@ -289,7 +291,9 @@ class LLMEngine:
                 self.grammars.remove(child.request_id)
             raise
         outputs = [
-            SequenceOutput(self.tokenizer, params, self.scheduler_config.model_len)
+            SequenceOutput(
+                self.tokenizer, params, self.scheduler_config.model_len, self._detokenizers
+            )
             for _ in children
         ]
         parent = _Parent(request_id, ids, children, outputs, pending=children[1:])
@@ -432,7 +436,9 @@ class LLMEngine:
         self, out: SchedulerOutput, completed: list[Request], result: StepOutput
     ) -> list[RequestOutput]:
         row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
-        progressed: dict[str, tuple[_Parent, list[int]]] = {}
+        tokens = result.token_ids.tolist()  # one conversion, not a NumPy scalar per sequence
+        progressed: dict[str, list[int]] = {}  # request id -> its choices that progressed
+        parents: list[_Parent] = []  # in the order they first progressed
         now = time.monotonic()
         for request in completed:
             request.num_pending_tokens -= 1
@@ -441,9 +447,14 @@ class LLMEngine:
             i = row[request.request_id]
             k = request.sampling_params.logprobs
             entry = None if k is None else _logprob_entry(result, i, k)
-            parent, index, _ = self._record_token(request, int(result.token_ids[i]), entry, now)
-            progressed.setdefault(parent.request_id, (parent, []))[1].append(index)
-        return [self._request_output(p, indices) for p, indices in progressed.values()]
+            parent, index, _ = self._record_token(request, tokens[i], entry, now)
+            indices = progressed.get(parent.request_id)
+            if indices is None:
+                progressed[parent.request_id] = [index]
+                parents.append(parent)
+            else:
+                indices.append(index)
+        return [self._request_output(p, progressed[p.request_id]) for p in parents]
 
     def _record_token(
         self, request: Request, token: int, logprobs: dict[int, float] | None, now: float
@@ -461,9 +472,10 @@ class LLMEngine:
                 self.scheduler.add_request(sibling)
             parent.pending.clear()
         decision = parent.outputs[index].append(request, token)
-        grammar = self.grammars.advance(request.request_id, token)
-        if decision is None and grammar in (GrammarState.DONE, GrammarState.ERROR):
-            decision = parent.outputs[index].grammar_done()
+        if request.sampling_params.structured_outputs is not None:  # it has a grammar
+            grammar = self.grammars.advance(request.request_id, token)
+            if decision is None and grammar in (GrammarState.DONE, GrammarState.ERROR):
+                decision = parent.outputs[index].grammar_done()
         if decision is not None:
             self._finish(parent, index, decision)
         self.counters.num_generation_tokens += 1

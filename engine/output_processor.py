@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.detokenizer import Detokenizers
 from engine.request import CompletionOutput, FinishReason, Request, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -25,40 +26,58 @@ class StopDecision:
 class SequenceOutput:
     """One sequence's stop checks, and what of it has not been handed out yet."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_model_len: int):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        max_model_len: int,
+        detokenizers: Detokenizers | None = None,
+    ):
+        """`detokenizers`: the engine's, which share what they learn of each token's text
+        (None: a detokenizer of this sequence's own)."""
         self._params = params
         self._eos = frozenset(() if params.ignore_eos else tokenizer.eos_token_ids)
         self._stop_ids = frozenset(params.stop_token_ids)
+        self._stopping = self._eos | self._stop_ids  # ids that stop it once min_tokens is reached
         self._max_model_len = max_model_len
-        self._detokenizer = IncrementalDetokenizer(
-            tokenizer, skip_special_tokens=params.skip_special_tokens
+        skip = params.skip_special_tokens
+        self._detokenizer = (
+            IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+            if detokenizers is None
+            else detokenizers.new(skip_special_tokens=skip)
         )
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         # Decoded text not handed out yet (cut at a stop string): at most the held-back tail
         # plus what the last step decoded.
         self._unsent = ""
         self._num_sent_tokens = 0
+        self._wants_logprobs = params.logprobs is not None
 
     def append(self, request: Request, token: int) -> StopDecision | None:
         """Records `token` (already appended to request.output_token_ids); returns why the
         sequence stops, or None."""
+        params = self._params
         num_out = len(request.output_token_ids)
-        may_stop = num_out >= self._params.min_tokens
-        if may_stop and token in self._eos:
-            return StopDecision(FinishReason.STOP)
-        if may_stop and token in self._stop_ids:
-            if self._params.include_stop_str_in_output:
+        may_stop = num_out >= params.min_tokens
+        if may_stop and token in self._stopping:
+            if token in self._eos:
+                return StopDecision(FinishReason.STOP)
+            if params.include_stop_str_in_output:
                 self._unsent += self._detokenizer.add(token)
             return StopDecision(FinishReason.STOP, token)
-        # A stop string ending in the new text starts at most `holdback` characters before it,
-        # which have not been handed out (take_delta keeps them).
-        searched_from = max(len(self._unsent) - self._holdback, 0)
-        self._unsent += self._detokenizer.add(token)
-        if may_stop and self._params.stop:
-            stop = self._find_stop_string(searched_from)
-            if stop is not None:
+        if params.stop:
+            # A stop string ending in the new text starts at most `holdback` characters before
+            # it, which have not been handed out (take_delta keeps them).
+            searched_from = max(len(self._unsent) - self._holdback, 0)
+            self._unsent += self._detokenizer.add(token)
+            if may_stop and (stop := self._find_stop_string(searched_from)) is not None:
                 return stop
-        if num_out >= self._params.max_tokens or request.num_tokens >= self._max_model_len:
+        else:
+            self._unsent += self._detokenizer.add(token)
+        if (
+            num_out >= params.max_tokens
+            or num_out + len(request.prompt_token_ids) >= self._max_model_len
+        ):
             self._unsent += self._detokenizer.flush()
             return StopDecision(FinishReason.LENGTH)
         return None
@@ -81,21 +100,22 @@ class SequenceOutput:
         """What `request` (choice `index`) gained since the last call: its new token ids and
         logprobs, and its new text except, while it runs, a tail that may begin a stop string
         (once finished, all the rest); the finish reason once finished."""
-        finished = request.is_finished
-        text = self._take_text(finished)
+        reason = request.finish_reason
+        text = self._take_text(reason is not None)
         start, self._num_sent_tokens = self._num_sent_tokens, len(request.output_token_ids)
-        wants_logprobs = request.sampling_params.logprobs is not None
         return CompletionOutput(
-            index=index,
-            text=text,
-            token_ids=request.output_token_ids[start:],
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            stop_reason=request.stop_reason,
-            logprobs=request.logprobs[start:] if wants_logprobs else None,
+            index,
+            text,
+            request.output_token_ids[start:],
+            None if reason is None else reason.value,
+            request.stop_reason,
+            request.logprobs[start:] if self._wants_logprobs else None,
         )
 
     def _take_text(self, finished: bool) -> str:
-        keep = 0 if finished or not self._params.stop else self._holdback
-        end = max(len(self._unsent) - keep, 0)
+        if finished or not self._params.stop:  # nothing held back
+            text, self._unsent = self._unsent, ""
+            return text
+        end = max(len(self._unsent) - self._holdback, 0)
         text, self._unsent = self._unsent[:end], self._unsent[end:]
         return text

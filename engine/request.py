@@ -193,10 +193,11 @@ class Request:
 # whose `output()` is a RequestOutput with every field filled in.
 
 
-@dataclass(frozen=True)
+@dataclass
 class CompletionOutput:
     """One of a request's n choices: what one step added to it (a delta), or all of it (from
-    OutputAccumulator)."""
+    OutputAccumulator). Not frozen, like RequestOutput: one is made per sequence per step, and
+    a frozen dataclass's `__init__` costs several times a plain one's; treat it as read-only."""
 
     index: int
     text: str
@@ -219,9 +220,10 @@ class Usage:
         return sum(self.output_lengths)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RequestOutput:
-    """What a request produced in one step (a delta), or in total (from OutputAccumulator)."""
+    """What a request produced in one step (a delta), or in total (from OutputAccumulator);
+    read-only (not frozen: see CompletionOutput)."""
 
     request_id: str
     outputs: list[CompletionOutput]  # a delta lists only the choices that gained something

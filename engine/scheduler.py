@@ -26,9 +26,11 @@ from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus, context_length_error
 
 
-@dataclass(frozen=True)
+@dataclass
 class ScheduledRequest:
-    """`num_new_tokens` of `request`, starting at token `start`, go into this step."""
+    """`num_new_tokens` of `request`, starting at token `start`, go into this step. (Not
+    frozen: one is made for every running sequence every step, and a frozen dataclass's
+    `__init__` costs several times a plain one's; nothing changes one once made.)"""
 
     request: Request
     start: int
@@ -133,21 +135,26 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Once per running sequence per step: properties read through locals.
+        running, scheduled, allocate = self.running, out.scheduled, self.kv_cache.allocate
+        model_len = self.config.model_len
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if _surely_finished(request, self.config.model_len):
+        while i < len(running) and budget > 0:
+            request = running[i]
+            pending = request.num_pending_tokens
+            if pending and _surely_finished(request, model_len):
                 i += 1  # its pending token is its last: the step after it would be discarded
                 continue
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            total = request.num_computed_tokens + num_new
-            while self.kv_cache.allocate(request.request_id, total) is None:
-                victim = self.running.pop()  # lowest priority, newest
+            computed = request.num_computed_tokens
+            known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_new = min(known + pending - computed, budget)
+            while allocate(request.request_id, computed + num_new) is None:
+                victim = running.pop()  # lowest priority, newest
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     return budget
-            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            scheduled.append(ScheduledRequest(request, computed, num_new))
             budget -= num_new
             i += 1
         return budget
@@ -233,25 +240,30 @@ class Scheduler:
         """Records the computed tokens; returns the requests whose sampled token counts (their
         step reached the last known token; a prefill chunk short of it samples nothing)."""
         completed = []
+        kv = self.kv_cache
+        windowed = kv.sliding_window is not None
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens = s.num_known_tokens
+            computed = request.num_computed_tokens = s.num_known_tokens
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             # A page holding a pending token is hashed by a later step, once the host knows it.
-            if self._fills_a_page(request):  # only then join prompt and output to hash it
-                known = min(request.num_computed_tokens, request.num_tokens)
-                self.kv_cache.commit_full_pages(
+            known = min(computed, num_tokens)
+            if self._fills_a_page(request, known):  # only then join prompt and output to hash it
+                kv.commit_full_pages(
                     request.request_id, request.all_token_ids, known, request.cache_salt
                 )
-            self.kv_cache.release_behind_window(request.request_id, request.num_computed_tokens)
-            if s.completes_sequence:
+            if windowed:
+                kv.release_behind_window(request.request_id, computed)
+            if computed == num_tokens + request.num_pending_tokens:  # s.completes_sequence
                 completed.append(request)
         return completed
 
-    def _fills_a_page(self, request: Request) -> bool:
-        """Whether the request's known computed tokens fill a page not in the prefix cache yet."""
-        known = min(request.num_computed_tokens, request.num_tokens)
-        return self.kv_cache.enable_prefix_caching and known // self.kv_cache.page_size > (
-            self.kv_cache.num_committed_pages(request.request_id)
+    def _fills_a_page(self, request: Request, known: int) -> bool:
+        """Whether the request's `known` computed tokens fill a page not in the prefix cache
+        yet."""
+        kv = self.kv_cache
+        return kv.enable_prefix_caching and known // kv.page_size > (
+            kv.num_committed_pages(request.request_id)
         )
 
     # ---- state -------------------------------------------------------------------------------

@@ -2,16 +2,16 @@
 
 The interface and the Hugging Face loaders are in `engine.tokenizer_base`; rebuilding a
 tokenizer from GGUF metadata is in `engine.tokenizer_gguf`. This module is where callers import
-them from.
+them from, with engine/detokenizer.py's `IncrementalDetokenizer`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer_base import (
     HFTokenizer,
-    IncrementalDetokenizer,
     SentencePieceTokenizer,
     SpecialTokens,
     Tokenizer,

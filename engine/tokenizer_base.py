@@ -1,7 +1,7 @@
 """Tokenizers behind one interface: SentencePiece (`tokenizer.model`, or a GGUF `llama`
 vocabulary rebuilt as a SentencePiece model) and HF `tokenizers` (`tokenizer.json`, or a GGUF
-`gpt2` byte-level BPE); loading from a Hugging Face directory; `IncrementalDetokenizer`, which
-turns a stream of ids into text deltas for streaming. Import them from `engine.tokenizer`.
+`gpt2` byte-level BPE); loading from a Hugging Face directory. Import them from
+`engine.tokenizer` (which also exports engine/detokenizer.py's `IncrementalDetokenizer`).
 """
 
 from __future__ import annotations
@@ -81,6 +81,13 @@ class Tokenizer(ABC):
         """The bytes each id stands for, by id (`vocab_size` entries): what it adds to the
         output as raw UTF-8 (a leading space included; a byte-fallback piece is its one byte),
         and for an added token its text. Grammar engines (engine/structured) match on these."""
+
+    def decodes_piecewise(self) -> bool:
+        """Whether `decode(ids + [t])` is `decode(ids)` followed by a text that depends on `t`
+        alone, whenever `decode(ids)` is not empty and ends on a whole character (byte-level
+        BPE, SentencePiece): what lets engine/detokenizer.py skip decoding most tokens. False
+        unless the subclass knows its decoder does that."""
+        return False
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with BOS/EOS as the model config asks if `add_special_tokens`."""
@@ -190,6 +197,9 @@ class SentencePieceTokenizer(Tokenizer):
         pieces.append(self._decode_run(run, first=not pieces))
         return "".join(pieces)
 
+    def decodes_piecewise(self) -> bool:
+        return True  # pieces are joined, '▁' read as a space; only the text's start is trimmed
+
     def _save_model(self, directory: Path) -> dict[str, Any]:
         (directory / "tokenizer.model").write_bytes(self._sp.serialized_model_proto())
         added = {
@@ -239,6 +249,10 @@ class HFTokenizer(Tokenizer):
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         return [self._tokenizer.id_to_token(i) or "" for i in ids]
 
+    def decodes_piecewise(self) -> bool:
+        decoder = self._tokenizer.decoder
+        return decoder is not None and _piecewise(json.loads(decoder.__getstate__()))
+
     def token_bytes(self) -> list[bytes]:
         added = self._tokenizer.get_added_tokens_decoder()
         decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
@@ -252,47 +266,6 @@ class HFTokenizer(Tokenizer):
     def _save_model(self, directory: Path) -> dict[str, Any]:
         self._tokenizer.save(str(directory / "tokenizer.json"))
         return {}
-
-
-class IncrementalDetokenizer:
-    """Text deltas for ids fed one at a time, for streaming.
-
-    The deltas joined equal `tokenizer.decode(ids)` once `flush()` is called, and before that
-    every prefix of it that ends on a whole character: a delta never ends in U+FFFD from a
-    character whose bytes are still arriving. Each step decodes only a short window of recent
-    ids: `_prefix` (already emitted, kept so spacing at the window start is right) and `_read`
-    (first id whose text is not yet emitted), as vLLM does.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
-        self._prefix_text = ""  # decode of ids[_prefix:_read]
-
-    def add(self, token_id: int) -> str:
-        """Feed one id; returns the text it completes (possibly "")."""
-        self._ids.append(token_id)
-        text = self._window_text()
-        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
-            return ""  # nothing new, or a character still incomplete: hold it back
-        return self._advance(text)
-
-    def flush(self) -> str:
-        """Everything held back (an incomplete character comes out as U+FFFD)."""
-        text = self._window_text()
-        return self._advance(text) if len(text) > len(self._prefix_text) else ""
-
-    def _window_text(self) -> str:
-        return self._tokenizer.decode(self._ids[self._prefix :], self._skip)
-
-    def _advance(self, text: str) -> str:
-        delta = text[len(self._prefix_text) :]
-        self._prefix, self._read = self._read, len(self._ids)
-        self._prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read], self._skip)
-        return delta
 
 
 def tokenizer_from_directory(path: Path) -> Tokenizer:
@@ -458,6 +431,20 @@ _BYTE_OF_CHAR = _gpt2_byte_of_char()
 def _byte_level_bytes(piece: str) -> bytes:
     """A byte-level BPE piece (GPT-2's alphabet, one char per byte)."""
     return bytes(_BYTE_OF_CHAR[c] for c in piece if c in _BYTE_OF_CHAR)
+
+
+def _piecewise(decoder: dict[str, Any]) -> bool:
+    """Whether a tokenizer.json decoder maps each token to text on its own (bytes joined before
+    UTF-8 decoding, a one-character replacement, the text's first characters stripped), so that
+    a token's text never depends on the tokens before it once those end on a whole character."""
+    kind = decoder.get("type")
+    if kind == "Sequence":
+        return all(_piecewise(d) for d in decoder.get("decoders") or [])
+    if kind == "Replace":
+        return len(decoder.get("pattern", {}).get("String") or "") == 1
+    if kind == "Strip":
+        return decoder.get("stop") == 0
+    return kind in ("ByteLevel", "ByteFallback", "Fuse", "Metaspace")
 
 
 def _has_decoder(decoder: dict[str, Any], kind: str) -> bool:

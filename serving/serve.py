@@ -132,6 +132,7 @@ def run_api_server(
 
 def _run_in_process(config: EngineConfig, options: ServeOptions) -> int:
     from engine.builder import build_engine, run_follower, start_processes
+    from engine.host_gc import freeze_startup_objects
 
     if not start_processes(config):
         run_follower(config)
@@ -140,7 +141,9 @@ def _run_in_process(config: EngineConfig, options: ServeOptions) -> int:
     server = _Server(_uvicorn_config(app, options))
 
     def load() -> Front:
-        return AsyncEngine(build_engine(config), step_timeout=options.step_timeout)
+        engine = build_engine(config)
+        freeze_startup_objects()
+        return AsyncEngine(engine, step_timeout=options.step_timeout)
 
     serve = _serve(options, app, server, admission, load, None, None, exit_at_once=True)
     return asyncio.run(serve)

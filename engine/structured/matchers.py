@@ -58,6 +58,8 @@ class GrammarMatchers:
     def filler(self, out: SchedulerOutput) -> Callable[[np.ndarray], None] | None:
         """What writes the bitmask rows of `out`'s constrained sequences whose sample is kept
         (a prefill chunk's is not), or None if there are none (every row stays all ones)."""
+        if not self._matchers:  # no sequence is constrained: no pass over the batch
+            return None
         rows = [
             (matcher, i)
             for i, s in enumerate(out.scheduled)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 from tokenizers import Regex, normalizers, pre_tokenizers
 
+from engine.detokenizer import Detokenizers, PieceTexts
 from engine.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
@@ -325,6 +326,12 @@ class _DecodeRecorder:
         self.lengths.append(len(ids))
         return self.tokenizer.decode(ids, skip_special_tokens)
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def decodes_piecewise(self) -> bool:
+        return self.tokenizer.decodes_piecewise()
+
 
 @pytest.mark.parametrize("kind", ["bpe", "sp"])
 def test_incremental_detokenizer_decodes_a_short_window(
@@ -337,6 +344,88 @@ def test_incremental_detokenizer_decodes_a_short_window(
     text = "".join(detokenizer.add(i) for i in ids) + detokenizer.flush()
     assert text == tokenizer.decode(ids) and len(ids) > 200
     assert max(recorder.lengths) <= 8  # a window, not the whole sequence each step
+
+
+# --- the fast path: a token's remembered text instead of a decode ------------------------------
+
+
+def _deltas(detokenizer: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    return [detokenizer.add(i) for i in ids] + [detokenizer.flush()]
+
+
+def _same_deltas_as_the_window(tokenizer: Tokenizer, ids: list[int], skip: bool) -> None:
+    """With `PieceTexts` the deltas are exactly the decoding window's, one by one (the window's
+    own contract, `_check_stream`, holds for them too)."""
+    pieces = PieceTexts(tokenizer, skip_special_tokens=skip)
+    fast = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, pieces=pieces)
+    window = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    assert _deltas(fast, ids) == _deltas(window, ids), ids
+    assert "".join(_deltas(fast, ids)) != "" or tokenizer.decode(ids, skip) == ""
+
+
+@pytest.fixture(scope="module")
+def llama_json(sp_oracle: Any, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The SentencePiece model as transformers converts it: a tokenizer.json whose decoder
+    replaces '▁', joins byte-fallback pieces and strips the text's first space (Llama 2's)."""
+    root = tmp_path_factory.mktemp("llama-json")
+    sp_oracle.backend_tokenizer.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    return load_tokenizer(root)
+
+
+@pytest.mark.parametrize("kind", ["smollm", "sp_tok", "llama_json"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_piece_texts_give_the_window_deltas_on_text(
+    request: pytest.FixtureRequest, kind: str, skip: bool
+) -> None:
+    tokenizer: Tokenizer = request.getfixturevalue(kind)
+    assert tokenizer.decodes_piecewise()
+    for text in [*PLAIN_TEXTS, *CHATML_TEXTS, " ".join(PLAIN_TEXTS) * 3]:
+        _same_deltas_as_the_window(tokenizer, tokenizer.encode(text), skip)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_stream)
+def test_piece_texts_give_the_window_deltas_on_any_ids(
+    smollm: Tokenizer, sp_tok: Tokenizer, llama_json: Tokenizer, case: Any
+) -> None:
+    ids, skip = case
+    pool = sorted({*smollm.encode(" ".join(PLAIN_TEXTS + CHATML_TEXTS)), 0, 1, 2})
+    _same_deltas_as_the_window(smollm, [pool[i % len(pool)] for i in ids], skip)
+    for tokenizer in (sp_tok, llama_json):
+        _same_deltas_as_the_window(tokenizer, [i % tokenizer.vocab_size for i in ids], skip)
+
+
+@pytest.mark.parametrize("kind", ["smollm", "sp_tok"])
+def test_piece_texts_skip_most_decodes(request: pytest.FixtureRequest, kind: str) -> None:
+    """Text of whole-character tokens decodes each distinct token twice (what it adds, and
+    alone), not each token twice as the window does. (A SentencePiece '▁' alone is empty text,
+    so the token after it takes the window.)"""
+    tokenizer: Tokenizer = request.getfixturevalue(kind)
+    recorder = _DecodeRecorder(tokenizer)
+    pieces = PieceTexts(recorder, skip_special_tokens=True)  # type: ignore[arg-type]
+    detokenizer = IncrementalDetokenizer(recorder, pieces=pieces)  # type: ignore[arg-type]
+    ids = tokenizer.encode(" ".join([PLAIN_TEXTS[0], PLAIN_TEXTS[3], PLAIN_TEXTS[4]]) * 8)
+    text = "".join(detokenizer.add(i) for i in ids) + detokenizer.flush()
+    assert text == tokenizer.decode(ids) and len(ids) > 200
+    assert len(recorder.lengths) < len(ids) // 2 + 2 * len(set(ids))  # window: 2 * len(ids)
+
+
+def test_only_piecewise_decoders_get_piece_texts(tmp_path: Path) -> None:
+    """A decoder whose token text depends on its neighbours (WordPiece joins '##' pieces and
+    cleans up spaces) gets no fast path."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"[UNK]": 0, "hello": 1, "##s": 2, ".": 3}
+    raw = RawTokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    raw.decoder = decoders.WordPiece()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(tmp_path)
+    assert not tokenizer.decodes_piecewise()
+    with pytest.raises(ValueError, match="piece by piece"):
+        PieceTexts(tokenizer, skip_special_tokens=True)
+    assert not Detokenizers(tokenizer).new(skip_special_tokens=True)._pieces
 
 
 # --- errors ------------------------------------------------------------------------------------

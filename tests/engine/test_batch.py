@@ -1,0 +1,149 @@
+"""BatchBuilder's whole-batch NumPy writes against a row-by-row reference written here: every
+array of the StepInput, for random mixes of prefill chunks, decodes, tokens pending on the
+device (asynchronous scheduling), speculative proposals, prompt logprobs, adapters, logit
+bias and min_tokens."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from engine.batch import BIAS_WIDTH, BatchBuilder, BatchShapes
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, SamplingParams
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step import StepInput
+
+PAGE = 4
+EOS = (1, 2)
+
+
+def _reference(
+    out: SchedulerOutput, kv: KVCacheManager, last: dict[str, int], t: int, s: int
+) -> dict[str, np.ndarray]:
+    """The step's arrays, one row and one token at a time."""
+    a = {k: np.zeros(t, np.int32) for k in ("token_ids", "positions", "lora_slots")}
+    a["slot_mapping"] = np.full(t, -1, np.int32)
+    a["next_token_ids"] = np.full(t, -1, np.int32)
+    a["token_src"] = np.full(t, -1, np.int32)
+    a["cu_q_lens"] = np.zeros(s + 1, np.int32)
+    a["kv_lens"] = np.zeros(s, np.int32)
+    a["page_table"] = np.zeros((s, -(-64 // PAGE)), np.int32)
+    offset = 0
+    for i, sch in enumerate(out.scheduled):
+        r, pages = sch.request, kv.page_table(sch.request.request_id)
+        a["page_table"][i, : len(pages)] = pages
+        every = r.prompt_token_ids + r.output_token_ids
+        known = every[sch.start : sch.start + sch.num_new_tokens - len(sch.draft_token_ids)]
+        tokens = known + list(sch.draft_token_ids)
+        for j in range(sch.num_new_tokens):
+            pos = sch.start + j
+            a["positions"][offset + j] = pos
+            a["slot_mapping"][offset + j] = pages[pos // PAGE] * PAGE + pos % PAGE
+            a["lora_slots"][offset + j] = r.lora_slot
+            if j < len(tokens):
+                a["token_ids"][offset + j] = tokens[j]
+            else:
+                a["token_src"][offset + j] = last[r.request_id]
+            if r.sampling_params.prompt_logprobs is not None and pos + 1 < len(r.prompt_token_ids):
+                a["next_token_ids"][offset + j] = r.prompt_token_ids[pos + 1]
+        offset += sch.num_new_tokens
+        a["kv_lens"][i] = sch.start + sch.num_new_tokens
+        a["cu_q_lens"][i + 1] = offset
+    a["cu_q_lens"][len(out.scheduled) + 1 :] = offset
+    a["logits_indices"] = np.maximum(a["cu_q_lens"][1:] - 1, 0)
+    return a
+
+
+def _reference_sampling(requests: list[Request], s: int) -> dict[str, np.ndarray]:
+    rows: dict[str, list[float]] = {
+        "temperature": [0.0] * s, "top_k": [0] * s, "top_p": [1.0] * s, "min_p": [0.0] * s,
+        "seeds": [0] * s, "output_index": [0] * s,
+    }  # fmt: skip
+    bias_ids = np.full((s, BIAS_WIDTH), -1, np.int32)
+    bias_values = np.zeros((s, BIAS_WIDTH), np.float32)
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        rows["temperature"][i], rows["top_k"][i] = p.temperature, max(p.top_k, 0)
+        rows["top_p"][i], rows["min_p"][i], rows["seeds"][i] = p.top_p, p.min_p, r.seed
+        num_out = len(r.output_token_ids) + r.num_pending_tokens
+        rows["output_index"][i] = num_out
+        bias = dict(p.logit_bias or {})
+        if num_out < p.min_tokens:
+            bias.update({t: -np.inf for t in (*p.stop_token_ids, *EOS)})
+        for j, (token, value) in enumerate(bias.items()):
+            bias_ids[i, j], bias_values[i, j] = token, value
+    types = {"top_k": np.int32, "seeds": np.uint32, "output_index": np.int32}
+    out = {k: np.asarray(v, types.get(k, np.float32)) for k, v in rows.items()}
+    return {**out, "bias_ids": bias_ids, "bias_values": bias_values}
+
+
+def _random_request(rng: random.Random, i: int) -> Request:
+    params = SamplingParams(
+        temperature=rng.choice([0.0, 0.7, 1.3]),
+        top_k=rng.choice([-1, 0, 5]),
+        top_p=rng.choice([1.0, 0.9]),
+        min_tokens=rng.choice([0, 0, 3]),
+        max_tokens=20,
+        stop_token_ids=rng.choice([(), (7,)]),
+        logit_bias=rng.choice([None, {5: 1.5, 9: -2.0}]),
+        prompt_logprobs=rng.choice([None, None, 2]),
+    )
+    prompt = [rng.randrange(3, 50) for _ in range(rng.randrange(1, 20))]
+    request = Request(f"r{i}", prompt, params, seed=rng.randrange(2**32))
+    request.output_token_ids = [rng.randrange(3, 50) for _ in range(rng.randrange(0, 6))]
+    request.lora_slot = rng.choice([0, 0, 1, 2])
+    return request
+
+
+def _schedule(rng: random.Random, request: Request, kv: KVCacheManager) -> ScheduledRequest:
+    """A random valid row for the request: a prefill chunk, a decode (maybe with proposals) or
+    a decode of a token still pending on the device."""
+    num_tokens = request.num_tokens
+    kind = rng.choice(["chunk", "decode", "draft", "pending"])
+    if kind == "chunk":
+        start = rng.randrange(0, num_tokens)
+        row = ScheduledRequest(request, start, rng.randrange(1, num_tokens - start + 1))
+    elif kind == "draft":
+        drafts = tuple(rng.randrange(3, 50) for _ in range(rng.randrange(1, 4)))
+        row = ScheduledRequest(request, num_tokens - 1, 1 + len(drafts), drafts)
+    elif kind == "pending":
+        request.num_pending_tokens = 1
+        row = ScheduledRequest(request, num_tokens, 1)
+    else:
+        row = ScheduledRequest(request, num_tokens - 1, 1)
+    kv.allocate(request.request_id, row.start + row.num_new_tokens)
+    return row
+
+
+def _check(batch: StepInput, want: dict[str, np.ndarray], sampling: dict[str, np.ndarray]) -> None:
+    for name, expected in want.items():
+        np.testing.assert_array_equal(getattr(batch, name), expected, err_msg=name)
+    for name, expected in sampling.items():
+        np.testing.assert_array_equal(getattr(batch.sampling, name), expected, err_msg=name)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_batch_equals_the_row_by_row_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    shapes = BatchShapes.create(
+        max_num_batched_tokens=256, max_num_seqs=16, max_model_len=64, page_size=PAGE
+    )
+    builder = BatchBuilder(shapes, PAGE, eos_token_ids=EOS)
+    kv = KVCacheManager(256, PAGE, enable_prefix_caching=False)
+    requests = [_random_request(rng, i) for i in range(rng.randrange(1, 17))]
+    # A first step decodes each of them, in another order: where pending tokens come from.
+    first = SchedulerOutput(
+        rng.sample([ScheduledRequest(r, 0, 1) for r in requests], len(requests))
+    )
+    for row in first.scheduled:
+        kv.allocate(row.request.request_id, 1)
+    builder.build(first, kv, penalties=False)
+    last = {row.request.request_id: i for i, row in enumerate(first.scheduled)}
+    out = SchedulerOutput([_schedule(rng, r, kv) for r in rng.sample(requests, len(requests))])
+    batch = builder.build(out, kv, penalties=False)
+    t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
+    scheduled = [row.request for row in out.scheduled]
+    _check(batch, _reference(out, kv, last, t, s), _reference_sampling(scheduled, s))
