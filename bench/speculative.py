@@ -4,7 +4,9 @@ speculation off and on, single stream and at a concurrency of 4, on a copy-heavy
 acceptance rate by position in the proposal.
 
     .venv/bin/python bench/speculative.py [--model smollm2-135m] [--num-speculative-tokens 3]
-        [--requests 8] [--max-tokens 256] [--write-results]
+        [--requests 8] [--max-tokens 256] [--concurrency 1 4] [--write-results]
+    .venv/bin/python bench/speculative.py --concurrency 1 2 4 8 --max-num-seqs 8 \
+        --disable-by-batch-size 8      # where speculation stops paying (its default's data)
     .venv/bin/python bench/speculative.py --smoke      # a tiny random model, seconds
 
 Both engines are built first (compiled ahead: no compilation inside a timed run); each run is
@@ -124,7 +126,8 @@ def build(args: argparse.Namespace, speculative: SpeculativeConfig | None) -> LL
             args.model,
             cache=CacheConfig(page_size=16, num_pages=args.num_pages),
             scheduler=SchedulerConfig(
-                max_num_seqs=4, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len,
             ),
             compilation=CompilationConfig(
@@ -169,6 +172,14 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-pages", type=int, default=1024)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=SpeculativeConfig.disable_by_batch_size,
+        help="speculation off above this many running sequences",
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny random model, few requests")
     parser.add_argument("--write-results", action="store_true")
     args = parser.parse_args()
@@ -183,6 +194,7 @@ def main() -> int:
         args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
+        disable_by_batch_size=args.disable_by_batch_size,
     )
     engines = [build(args, None), build(args, spec)]
     vocab = engines[0].model_info().vocab_size
@@ -193,7 +205,7 @@ def main() -> int:
     runs = [
         measure(engine, name, prompts, c, args.max_tokens)
         for name, prompts in prompt_sets.items()
-        for c in (1, 4)
+        for c in args.concurrency
         for engine in engines
     ]
     compilations = engines[1].stats().compilations_after_warm_up

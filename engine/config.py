@@ -366,6 +366,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None  # draft_model: the smaller model, same tokenizer
+    # Measured (bench/speculative.py --concurrency 1 2 4 8 --disable-by-batch-size 8, n-gram
+    # k=3, SmolLM2 on CPU): speculation lost on both workloads at 8 sequences, not at 4.
     disable_by_batch_size: int = 4
     min_acceptance_rate: float = 0.1
     acceptance_window: int = 32

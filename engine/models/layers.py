@@ -19,6 +19,7 @@ import numpy as np
 from engine.config import RopeScaling
 from engine.models import quant
 from engine.models.quant import QuantizedWeight
+from pallas_kernels import cpu
 
 Params = dict[str, Any]
 
@@ -98,16 +99,49 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
     """
     if isinstance(w, QuantizedWeight):
         return quant.product(x, quant.as_matrix(w), transposed=False).astype(x.dtype)
-    out = jnp.dot(_padded_rows(x, w).astype(w.dtype), w, preferred_element_type=jnp.float32)
-    return out[: x.shape[0]].astype(x.dtype)
+
+    def xla(x: jax.Array) -> jax.Array:
+        out = jnp.dot(_padded_rows(x, w).astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return out[: x.shape[0]].astype(x.dtype)
+
+    if not _few_rows_kernel_takes(x, w):
+        return xla(x)
+    kernel = functools.partial(cpu.dense_matmul, w=w, transposed=False)
+    return jax.lax.platform_dependent(x, cpu=kernel, default=xla)
 
 
 def unembed(x: jax.Array, table: Weight) -> jax.Array:
     """f[T, D] against an embedding table f[V, D] -> f32[T, V] logits."""
     if isinstance(table, QuantizedWeight):
         return quant.product(x, table, transposed=True)
-    x32 = _padded_rows(x, table).astype(table.dtype)
-    return jnp.einsum("TD,VD->TV", x32, table, preferred_element_type=jnp.float32)[: x.shape[0]]
+
+    def xla(x: jax.Array) -> jax.Array:
+        x32 = _padded_rows(x, table).astype(table.dtype)
+        return jnp.einsum("TD,VD->TV", x32, table, preferred_element_type=jnp.float32)[: x.shape[0]]
+
+    if not _few_rows_kernel_takes(x, table):
+        return xla(x)
+    kernel = functools.partial(cpu.dense_matmul, w=table, transposed=True)
+    return jax.lax.platform_dependent(x, cpu=kernel, default=xla)
+
+
+# XLA:CPU multiplies one float32 row by a weight in a matrix-vector loop, but 2 to 16 rows (a
+# decode batch, a speculative verification's K + 1 positions) as a general product that packs
+# the whole weight first, at up to twice one row's time; the C++ kernel reads it in place.
+MIN_KERNEL_ROWS = 2
+
+
+def _few_rows_kernel_takes(x: jax.Array, w: jax.Array) -> bool:
+    """Whether `pallas_kernels.cpu.dense_matmul` takes f32[T, In] @ w on CPU (the platform is
+    chosen at lowering, `jax.lax.platform_dependent`)."""
+    width = w.shape[1]  # [In, Out]: the output columns; [Out, In]: the input width
+    return (
+        x.dtype == w.dtype == jnp.float32
+        and w.ndim == 2
+        and MIN_KERNEL_ROWS <= x.shape[0] <= cpu.DENSE_MAX_ROWS
+        and width % 16 == 0
+        and cpu.available()
+    )
 
 
 def project_to_heads(x: jax.Array, w: Weight) -> jax.Array:

@@ -258,11 +258,23 @@ def draft_sample(
     """A draft model's proposal and the distribution q it was drawn from: the plain sampler's
     transforms (penalties left out: any q keeps the target exact) and its draw, with the key
     the plain sampler uses at that output index, so a draft equal to the target proposes
-    exactly the tokens the target would sample."""
-    truncated, greedy_ids = target_logits(logits, t, apply_penalties=False)
-    drawn = jax.vmap(jax.random.categorical)(_keys(t.seeds, t.output_index), truncated)
-    tokens = jnp.where(jnp.asarray(t.temperature) == 0, greedy_ids, drawn).astype(jnp.int32)
-    return tokens, target_probs(truncated, greedy_ids, t.temperature)
+    exactly the tokens the target would sample. An all-greedy batch skips the truncation's sort
+    and the draw (a runtime branch): its proposals are the argmax and q is one-hot there, what
+    the full path gives greedy rows."""
+    processed, greedy_ids = _processed(logits, t, apply_penalties=False, token_bitmask=None)
+    is_greedy = jnp.asarray(t.temperature) == 0
+
+    def all_greedy() -> tuple[jax.Array, jax.Array]:
+        one_hot = jax.nn.one_hot(greedy_ids, logits.shape[-1], dtype=jnp.float32)
+        return greedy_ids.astype(jnp.int32), one_hot
+
+    def sampled() -> tuple[jax.Array, jax.Array]:
+        truncated = _truncated(processed, t)
+        drawn = jax.vmap(jax.random.categorical)(_keys(t.seeds, t.output_index), truncated)
+        tokens = jnp.where(is_greedy, greedy_ids, drawn).astype(jnp.int32)
+        return tokens, target_probs(truncated, greedy_ids, t.temperature)
+
+    return jax.lax.cond(jnp.all(is_greedy), all_greedy, sampled)
 
 
 def verify_step(

@@ -35,7 +35,9 @@ SOURCE = Path(__file__).with_name("kernels.cc")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlaserve" / "cpu-kernels"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 TARGETS = {"xlaserve_ragged_attention": "XlaserveRaggedAttention",
-           "xlaserve_quantized_matmul": "XlaserveQuantizedMatmul"}  # fmt: skip
+           "xlaserve_quantized_matmul": "XlaserveQuantizedMatmul",
+           "xlaserve_dense_matmul": "XlaserveDenseMatmul"}  # fmt: skip
+DENSE_MAX_ROWS = 16  # kDenseMaxRows in kernels.cc
 
 
 def _cpu_id() -> str:
@@ -146,4 +148,19 @@ def quantized_matmul(
     )
 
 
-__all__ = ["available", "build", "quantized_matmul", "ragged_attention"]
+def dense_matmul(
+    x: jax.Array,  # f32[T, K], T <= DENSE_MAX_ROWS
+    w: jax.Array,  # f32[K, N] (N a multiple of 16); transposed: f32[N, K] (K a multiple of 16)
+    *,
+    transposed: bool,
+) -> jax.Array:
+    """x @ w (or x @ w.T when transposed) in float32 for a few rows, f32[T, N], reading the
+    weight in place once per 4 rows ([K, N]) or once for all rows ([N, K]). Each output element
+    is summed in one fixed order whatever T, so a row's result does not depend on the others."""
+    n = w.shape[0] if transposed else w.shape[1]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    call = jax.ffi.ffi_call("xlaserve_dense_matmul", out, vmap_method="sequential")
+    return call(x, w, transposed=np.int64(transposed))
+
+
+__all__ = ["available", "build", "dense_matmul", "quantized_matmul", "ragged_attention"]

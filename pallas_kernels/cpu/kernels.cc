@@ -820,6 +820,105 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// ---- float32 matmul for few rows ------------------------------------------------------------
+
+// y f32[T, N] = x f32[T, K] @ w f32[K, N] (or @ w^T for w f32[N, K], an embedding table as the
+// output layer) for the few rows of a decode or verification step. XLA:CPU runs a one-row
+// product as a matrix-vector loop but a 2-16-row one as a general matrix product that packs the
+// whole weight first; this reads each weight once per kDenseRows rows, in place. Each output
+// element is one fused multiply-add chain over k in a fixed order, the same for any T, so a row's
+// result does not depend on which other rows share the call (a verification step's logits at
+// its first position equal a plain step's bit for bit).
+constexpr int64_t kDenseTile = 64;  // [K, N]: columns per work item's pass, 4 vectors
+constexpr int kDenseRows = 4;       // [K, N]: rows of x per pass over a tile's weights
+constexpr int64_t kDenseTableBlock = 256;  // [N, K]: table rows per work item
+
+template <int R, int V>
+void DenseTile(const float* x, int64_t k_size, const float* w, int64_t n_size, int64_t n0,
+               float* y) {
+  F16 acc[R][V] = {};
+  for (int64_t k = 0; k < k_size; ++k) {
+    const float* row = w + k * n_size + n0;
+    // The tile's rows are a stride apart, which the hardware prefetcher follows poorly.
+    for (int v = 0; v < V; ++v) __builtin_prefetch(row + kPrefetch * n_size + v * kLanes);
+    F16 wk[V];
+    for (int v = 0; v < V; ++v) wk[v] = Load(row + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float a = x[r * k_size + k];
+      for (int v = 0; v < V; ++v) acc[r][v] += a * wk[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) Store(y + r * n_size + n0 + v * kLanes, acc[r][v]);
+}
+
+template <int V>
+void DenseColumns(const float* x, int64_t rows, int64_t k_size, const float* w, int64_t n_size,
+                  int64_t n0, float* y) {
+  for (int64_t r = 0; r < rows; r += kDenseRows) {
+    const float* xr = x + r * k_size;
+    float* yr = y + r * n_size;
+    switch (std::min<int64_t>(kDenseRows, rows - r)) {
+      case 4: DenseTile<4, V>(xr, k_size, w, n_size, n0, yr); break;
+      case 3: DenseTile<3, V>(xr, k_size, w, n_size, n0, yr); break;
+      case 2: DenseTile<2, V>(xr, k_size, w, n_size, n0, yr); break;
+      default: DenseTile<1, V>(xr, k_size, w, n_size, n0, yr);
+    }
+  }
+}
+
+// One table row n against every row of x (R <= kDenseMaxRows accumulators).
+template <int R>
+void DenseTableRow(const float* x, int64_t k_size, const float* w, int64_t n_size, int64_t n,
+                   float* y) {
+  F16 acc[R] = {};
+  const float* row = w + n * k_size;
+  for (int64_t k = 0; k < k_size; k += kLanes) {
+    const F16 wk = Load(row + k);
+    for (int r = 0; r < R; ++r) acc[r] += Load(x + r * k_size + k) * wk;
+  }
+  for (int r = 0; r < R; ++r) y[r * n_size + n] = TreeSum(acc[r]);
+}
+
+constexpr int64_t kDenseMaxRows = 16;
+
+template <int... Rs>
+void DenseTableRows(int64_t rows, const float* x, int64_t k_size, const float* w, int64_t n_size,
+                    int64_t n, float* y, std::integer_sequence<int, Rs...>) {
+  using Fn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+  static constexpr Fn fns[] = {&DenseTableRow<Rs + 1>...};
+  fns[rows - 1](x, k_size, w, n_size, n, y);
+}
+
+ffi::Error DenseMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t transposed) {
+  const int64_t rows = x.dimensions()[0], k_size = x.dimensions()[1];
+  const int64_t n_size = y->dimensions()[1];
+  const auto wd = w.dimensions();
+  const bool fits = transposed ? wd[0] == n_size && wd[1] == k_size && k_size % kLanes == 0
+                               : wd[0] == k_size && wd[1] == n_size && n_size % kLanes == 0;
+  if (!fits || rows < 1 || rows > kDenseMaxRows) {
+    return ffi::Error::InvalidArgument("dense matmul: unsupported shape (see __init__.py)");
+  }
+  const float *xp = x.typed_data(), *wp = w.typed_data();
+  float* yp = y->typed_data();
+  if (transposed) {
+    ParallelFor(pool, (n_size + kDenseTableBlock - 1) / kDenseTableBlock, [&](int64_t item) {
+      const int64_t end = std::min(n_size, (item + 1) * kDenseTableBlock);
+      for (int64_t n = item * kDenseTableBlock; n < end; ++n)
+        DenseTableRows(rows, xp, k_size, wp, n_size, n, yp,
+                       std::make_integer_sequence<int, kDenseMaxRows>{});
+    });
+    return ffi::Error::Success();
+  }
+  const int64_t tiles = n_size / kDenseTile, rest = (n_size % kDenseTile) / kLanes;
+  ParallelFor(pool, tiles + rest, [&](int64_t item) {
+    if (item < tiles) DenseColumns<kDenseTile / kLanes>(xp, rows, k_size, wp, n_size, item * kDenseTile, yp);
+    else DenseColumns<1>(xp, rows, k_size, wp, n_size, tiles * kDenseTile + (item - tiles) * kLanes, yp);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveRaggedAttention, RaggedAttentionImpl,
@@ -847,3 +946,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQuantizedMatmul, QuantizedMatmulImpl,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("transposed")
                                   .Attr<int64_t>("has_offsets"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDenseMatmul, DenseMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N]; transposed: [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .Attr<int64_t>("transposed"));

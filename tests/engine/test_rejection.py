@@ -22,6 +22,7 @@ from scipy import stats
 from engine.sampling import make_sampling_tensors, sample_jit
 from engine.speculative.rejection import (
     acceptance_probs,
+    draft_sample,
     expand_tensors,
     rejection_sample,
     residual_probs,
@@ -276,3 +277,17 @@ def test_greedy_accepts_the_argmax_prefix_then_emits_the_argmax():
         assert emitted[s] == n + 1
         np.testing.assert_array_equal(tokens[s, : n + 1], best[s, : n + 1])
         assert (tokens[s, n + 1 :] == -1).all()
+
+
+def test_greedy_draft_proposes_the_argmax_with_a_one_hot_q():
+    # All-greedy (the fast branch) and greedy rows beside a sampled one (the full path): the
+    # argmax (numpy's), and q one-hot there.
+    rng = np.random.default_rng(9)
+    logits = rng.normal(0, 2, (4, V)).astype(np.float32)
+    best = logits.argmax(-1)
+    for temperature in ([0.0] * 4, [0.0, 0.0, 0.0, 0.8]):
+        t = make_sampling_tensors(4, temperature=np.array(temperature, np.float32))
+        tokens, q = jax.jit(draft_sample)(jnp.asarray(logits), t)
+        greedy = np.array(temperature) == 0
+        np.testing.assert_array_equal(np.asarray(tokens)[greedy], best[greedy])
+        np.testing.assert_array_equal(np.asarray(q)[greedy], np.eye(V)[best[greedy]])

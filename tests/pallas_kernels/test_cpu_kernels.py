@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from ragged_cases import RaggedCase, dense_attention_oracle, make_case, random_lengths
 
-from engine.models import quant
+from engine.models import layers, quant
 from engine.models.quant import QuantizedWeight, dequantize
 from engine.weights.quantize import quantize_int8, to_device
 from pallas_kernels import cpu
@@ -246,3 +246,54 @@ def test_lowering_for_other_platforms_drops_the_kernel() -> None:
     allow = [jax.export.DisabledSafetyCheck.custom_call("xlaserve_quantized_matmul")]
     cpu_text = jax.export.export(fn, platforms=["cpu"], disabled_checks=allow)(x).mlir_module()
     assert "xlaserve_quantized_matmul" in cpu_text
+
+
+# ([In, Out] or [Out, In] shape, transposed): SmolLM2's MLP and k/v projections, its output
+# table (a slice), a width that is no whole 64-column tile (80 = 64 + 16), odd table rows.
+DENSE_PRODUCTS = [
+    ((576, 1536), False),
+    ((1536, 576), False),
+    ((576, 192), False),
+    ((64, 80), False),
+    ((1003, 576), True),
+    ((37, 48), True),
+]
+
+
+@pytest.mark.parametrize(("shape", "transposed"), DENSE_PRODUCTS)
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
+def test_dense_matmul_matches_numpy_and_rows_do_not_interact(
+    shape: tuple[int, int], transposed: bool, rows: int
+) -> None:
+    # Against a float64 product; and each row's result, bit for bit, as computed alone (what
+    # makes a verification step's logits at a position equal a plain step's there).
+    rng = np.random.default_rng(zlib.crc32(repr((shape, transposed, rows)).encode()))
+    w = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal((rows, shape[1] if transposed else shape[0])).astype(np.float32)
+    product = jax.jit(functools.partial(cpu.dense_matmul, transposed=transposed))
+    got = np.asarray(product(x, w))
+    want = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for r in {0, rows // 2, rows - 1}:
+        np.testing.assert_array_equal(np.asarray(product(x[r : r + 1], w))[0], got[r])
+
+
+def test_model_products_of_few_rows_take_the_dense_kernel() -> None:
+    # layers.dense and layers.unembed hand 2..DENSE_MAX_ROWS float32 rows to the kernel (and
+    # agree with XLA's product), one row and more rows to XLA; other platforms never see it.
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((64, 96)), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((100, 64)), jnp.float32)
+    for fn, weight in ((layers.dense, w), (layers.unembed, table)):
+        for rows in (1, 2, cpu.DENSE_MAX_ROWS, cpu.DENSE_MAX_ROWS + 1):
+            x = jax.ShapeDtypeStruct((rows, 64), jnp.float32)
+            f = jax.jit(lambda x, fn=fn, weight=weight: fn(x, weight))
+            text = f.lower(x).as_text()
+            assert ("xlaserve_dense_matmul" in text) == (2 <= rows <= cpu.DENSE_MAX_ROWS), rows
+            xs = rng.standard_normal((rows, 64)).astype(np.float32)
+            want = xs @ (np.asarray(weight).T if fn is layers.unembed else np.asarray(weight))
+            np.testing.assert_allclose(np.asarray(f(xs)), want, rtol=1e-4, atol=1e-4)
+        tpu = jax.export.export(
+            jax.jit(lambda x, fn=fn, weight=weight: fn(x, weight)), platforms=["tpu"]
+        )(jax.ShapeDtypeStruct((4, 64), jnp.float32))
+        assert "xlaserve_dense_matmul" not in tpu.mlir_module()
