@@ -12,7 +12,9 @@ acceptance rate by position in the proposal.
 The engines (speculation off, and one for each k) are built first (compiled ahead: no
 compilation inside a timed run); each run is a closed loop that keeps C requests in flight
 until its requests are done, greedy, and reports output tokens per second over the whole run
-(prefill included). Targets (issue #22): >= 1.8x on the copy-heavy
+(prefill included: each engine and server computes the prompts at the first concurrency and
+finds them in its prefix cache at the next). With --llama-server, llama.cpp's own server runs
+the same token ids on the GGUF, without and with its n-gram speculation. Targets (issue #22): >= 1.8x on the copy-heavy
 single stream, >= 0.95x on random prompts.
 """
 
@@ -22,14 +24,18 @@ import argparse
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 if __package__ in (None, ""):  # run as a script: the checkout's root holds `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import common, workloads
+from bench import baselines, common, workloads
 from engine.builder import build_engine
 from engine.chat_template import apply_chat_template
 from engine.config import (
@@ -41,6 +47,7 @@ from engine.config import (
 )
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
+from engine.weights import resolve_model
 from serving.cli import DEFAULT_CACHE_DIR
 
 TITLE = "Speculative decoding (bench/speculative.py)"
@@ -51,6 +58,7 @@ DOCUMENTS = ["README.md", "engine/sampling.py"]
 
 @dataclass
 class Run:
+    system: str
     workload: str
     concurrency: int
     k: int  # proposed tokens per step (0: speculation off)
@@ -58,6 +66,8 @@ class Run:
     output_tokens: int
     accepted: tuple[int, ...]  # accepted tokens by position in this run
     drafts: int
+    # llama-server reports drafted and accepted tokens, not by position
+    drafted_accepted: tuple[int, int] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -122,7 +132,7 @@ def measure(
     )
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     k = len(after.spec_decode_num_accepted_tokens_per_pos)
-    return Run(workload, c, k, seconds, tokens, accepted, drafts)
+    return Run("xlaserve", workload, c, k, seconds, tokens, accepted, drafts)
 
 
 def build(args: argparse.Namespace, speculative: SpeculativeConfig | None) -> LLMEngine:
@@ -145,21 +155,73 @@ def build(args: argparse.Namespace, speculative: SpeculativeConfig | None) -> LL
     return engine
 
 
+def llama_server_runs(
+    args: argparse.Namespace, prompt_sets: dict[str, list[list[int]]]
+) -> list[Run]:
+    """The same prompts (token ids) and closed loops against llama-server on the model's GGUF
+    (its Q4_1 blocks: not the weights xlaserve runs here, so its outputs differ; the speed-ups
+    compare), one server without and one with its n-gram speculation, a slot per request in
+    flight."""
+    gguf = resolve_model(args.model).path
+    k = max(args.num_speculative_tokens)
+    ngram = [
+        "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+        "--spec-ngram-simple-size-m", str(k), "--spec-draft-n-max", str(k),
+    ]  # fmt: skip
+    runs = []
+    for extra, spec_k in (([], 0), (ngram, k)):
+        port = 8937
+        command = baselines.llama_server_command(
+            gguf, port, threads=2, slots=max(args.concurrency), slot_len=args.max_model_len
+        )
+        url = f"http://127.0.0.1:{port}"
+        log = Path(tempfile.mkdtemp()) / "llama-server.log"
+        with baselines.server_process([*command, *extra], url + "/health", log, timeout=300):
+            for name, prompts in prompt_sets.items():
+                for c in args.concurrency:
+                    runs.append(_llama_closed_loop(url, name, prompts, c, spec_k, args.max_tokens))
+    return runs
+
+
+def _llama_closed_loop(
+    url: str, workload: str, prompts: list[list[int]], c: int, k: int, max_tokens: int
+) -> Run:
+    def complete(ids: list[int]) -> dict[str, Any]:
+        body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(url + "/completion", json=body, timeout=3600)
+        response.raise_for_status()
+        return response.json()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        answers = list(pool.map(complete, prompts))
+    seconds = time.perf_counter() - start
+    tokens = sum(a["tokens_predicted"] for a in answers)
+    drafted = sum(a["timings"].get("draft_n", 0) for a in answers)
+    accepted = sum(a["timings"].get("draft_n_accepted", 0) for a in answers)
+    counts = (drafted, accepted) if k else None
+    return Run("llama-server Q4_1", workload, c, k, seconds, tokens, (), 0, counts)
+
+
 def table(runs: list[Run]) -> list[str]:
-    plain = {(r.workload, r.concurrency): r for r in runs if not r.k}
+    plain = {(r.system, r.workload, r.concurrency): r for r in runs if not r.k}
     lines = [
-        "| workload | concurrency | speculation | output tokens | seconds | output tokens/s | "
-        "speed-up | acceptance by position | mean accepted length |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| system | workload | concurrency | speculation | output tokens | seconds | "
+        "output tokens/s | speed-up | acceptance by position | mean accepted length |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-        base = plain[(r.workload, r.concurrency)]
+        base = plain[(r.system, r.workload, r.concurrency)]
         rates = ", ".join(f"{a / max(r.drafts, 1):.2f}" for a in r.accepted) or "-"
         mean = f"{1 + sum(r.accepted) / r.drafts:.2f}" if r.drafts else "-"
+        if r.drafted_accepted is not None:
+            drafted, accepted = r.drafted_accepted
+            rates = f"{accepted / max(drafted, 1):.2f} of {drafted} drafted (all positions)"
         spec = f"ngram k={r.k}" if r.k else "off"
         lines.append(
-            f"| {r.workload} | {r.concurrency} | {spec} | {r.output_tokens} | {r.seconds:.1f} | "
-            f"{r.tokens_per_s:.1f} | {r.tokens_per_s / base.tokens_per_s:.2f}x | {rates} | {mean} |"
+            f"| {r.system} | {r.workload} | {r.concurrency} | {spec} | {r.output_tokens} | "
+            f"{r.seconds:.1f} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base.tokens_per_s:.2f}x | "
+            f"{rates} | {mean} |"
         )
     return lines
 
@@ -186,6 +248,12 @@ def main() -> int:
         type=int,
         default=SpeculativeConfig.disable_by_batch_size,
         help="speculation off above this many running sequences",
+    )
+    parser.add_argument(
+        "--llama-server",
+        action="store_true",
+        help="also llama.cpp's llama-server on the model's Q4_1 GGUF, without and with its "
+        "n-gram speculation (ngram-simple, lookup 3 tokens, drafts of the largest k)",
     )
     parser.add_argument("--smoke", action="store_true", help="a tiny random model, few requests")
     parser.add_argument("--write-results", action="store_true")
@@ -218,6 +286,8 @@ def main() -> int:
         for c in args.concurrency
         for engine in engines
     ]
+    if args.llama_server:
+        runs += llama_server_runs(args, prompt_sets)
     compilations = sum(e.stats().compilations_after_warm_up for e in engines[1:])
     lines = [
         *common.preamble(
