@@ -14,8 +14,8 @@ compilation inside a timed run); each run is a closed loop that keeps C requests
 until its requests are done, greedy, and reports output tokens per second over the whole run
 (prefill included: each engine and server computes the prompts at the first concurrency and
 finds them in its prefix cache at the next). With --llama-server, llama.cpp's own server runs
-the same token ids on the GGUF, without and with its n-gram speculation. Targets (issue #22): >= 1.8x on the copy-heavy
-single stream, >= 0.95x on random prompts.
+the same token ids on the GGUF, without and with its n-gram speculation. Targets (issue #22):
+>= 1.8x on the copy-heavy single stream, >= 0.95x on random prompts.
 """
 
 from __future__ import annotations

@@ -97,11 +97,6 @@ def _engines(
             "speculative decoding over several processes is not supported yet (the followers "
             "replay the plain step only)"
         )
-    if config.speculative is not None and config.speculative.model and layout.num_devices > 1:
-        raise XlaserveError(
-            "speculative decoding with a draft model over several devices is not supported yet "
-            "(the draft model runs on one device); use method 'ngram'"
-        )
     grammars = GrammarCompiler(tokenizer, checkpoint.cfg.vocab_size, config.structured)
     grammars.prepare()
     engine = functools.partial(
@@ -147,6 +142,11 @@ def _engine_class(config: EngineConfig) -> Callable[..., LLMEngine]:
     if spec.model is None:
         return functools.partial(SpeculativeEngine, speculative=spec)
     draft = open_checkpoint(resolve_model(spec.model), dtype=config.dtype)
+    if config.parallel.layout.num_devices > 1:  # it is sharded as the target is
+        try:
+            check_layout(config.parallel.layout, draft.cfg)
+        except XlaserveError as e:
+            raise XlaserveError(f"the draft model {spec.model!r}: {e}") from e
     return functools.partial(
         SpeculativeEngine, speculative=spec, draft=(draft.cfg, draft.load_params())
     )

@@ -154,7 +154,7 @@ class ModelRunner:
             None if self.lora is None else self.lora.weights,
         )  # fmt: skip
         # i32[C]: the last step's sampled tokens, on the device, for the next step's inputs.
-        self._carry = self._put(self.compiled.empty_carry())
+        self._carry = self.put(self.compiled.empty_carry())
         # Called with each batch before it runs (a multi-process leader sends it to followers).
         self.before_step: Callable[[StepInput, StepOptions], None] | None = None
         # Read by the serving side: how long warm-up took, and the process's XLA compilation
@@ -267,7 +267,7 @@ class ModelRunner:
     def host_tokens_only(self, num_tokens: int) -> TokenCarry:
         """A forward's carry that supplies none of its `num_tokens` tokens (all from the host):
         for callers that run the compiled forward themselves (a draft model)."""
-        return TokenCarry(self._carry, self._put(np.full(num_tokens, -1, np.int32)))
+        return TokenCarry(self._carry, self.put(np.full(num_tokens, -1, np.int32)))
 
     def dispatch(
         self,
@@ -326,9 +326,10 @@ class ModelRunner:
         themselves (each executable moves its own arguments, at a fraction of the cost of
         `jax.device_put` per array; each input goes to one part), over a mesh placed
         replicated."""
-        return tree if self.plan is None else self._put(tree)
+        return tree if self.plan is None else self.put(tree)
 
-    def _put(self, tree: Any) -> Any:
+    def put(self, tree: Any) -> Any:
+        """Host arrays -> the device, or replicated over the runner's mesh."""
         if self.plan is None:
             return jax.device_put(tree)
         return put_replicated(tree, self.plan.replicated)

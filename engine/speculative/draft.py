@@ -8,7 +8,8 @@ hands out holds both models' K/V for the same tokens, so the target's page table
 cache and preemption serve the draft unchanged. To keep its cache in step, the draft runs
 every step's known tokens (plain steps too, `follow`); to propose, it then runs K one-token
 steps per sequence, feeding each proposal back, the last only to write its K/V (so that an
-all-accepted run leaves the draft's cache complete).
+all-accepted run leaves the draft's cache complete). Over a device mesh the draft is sharded as
+the target is (its layout must fit the draft's head and layer counts too).
 
 Boundary code: host bookkeeping and device dispatch; the math is in rejection.py.
 """
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from engine.batch import pick_bucket, sampling_tensors
 from engine.compiled_step import Variant
@@ -31,8 +33,9 @@ from engine.models.attention import AttentionMetadata
 from engine.models.layers import Params
 from engine.scheduler import SchedulerOutput
 from engine.speculative import ngram
-from engine.speculative.rejection import draft_sample, jitted_draft_sample
+from engine.speculative.rejection import draft_sample, draft_sample_step, jitted_draft_sample
 from engine.step import StepInput, attention_metadata
+from sharding.layout import ShardingLayout
 
 
 @dataclass(frozen=True)
@@ -97,9 +100,12 @@ class DraftModelProposer:
         target: ModelRunner,
         scheduler_config: SchedulerConfig,
         config: SpeculativeConfig,
+        mesh: Mesh | None = None,
+        layout: ShardingLayout | None = None,
     ):
+        """`mesh`, `layout`: the target's, over which the draft is sharded the same way."""
         cache = CacheConfig(page_size=target.page_size, num_pages=target.num_pages)
-        self.runner = ModelRunner(cfg, params, cache, scheduler_config)
+        self.runner = ModelRunner(cfg, params, cache, scheduler_config, mesh=mesh, layout=layout)
         self.k = config.num_speculative_tokens
         self._to_compile = [v for v in self.runner.compiled.variants() if v.kind == "forward"]
         self._samplers: dict[int, Any] = {}
@@ -122,15 +128,25 @@ class DraftModelProposer:
             info = self.runner.compiled.get(self._first_forward(s)).out_info[0].logits
             vocab = info.shape[-1]
 
-            def like(x: Any) -> jax.ShapeDtypeStruct:
-                return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+            replicated = None if self.runner.plan is None else self.runner.plan.replicated
 
-            self._samplers[s] = jitted_draft_sample.lower(
-                like(info),
+            def like(x: Any) -> jax.ShapeDtypeStruct:  # a host input, as `runner.put` places it
+                return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated)
+
+            sample = jitted_draft_sample
+            if replicated is not None:  # drafts, probs and the fed tokens stay replicated
+                sample = jax.jit(
+                    draft_sample_step,
+                    static_argnames=("num_fed",),
+                    donate_argnames=("drafts", "probs"),
+                    out_shardings=replicated,
+                )
+            self._samplers[s] = sample.lower(
+                info,
                 jax.tree.map(like, sampling_tensors([], s, 0)),
                 like(np.int32(0)),
                 like(np.zeros((s, self.k), np.int32)),
-                jax.ShapeDtypeStruct((s, self.k, vocab), np.float32),
+                jax.ShapeDtypeStruct((s, self.k, vocab), np.float32, sharding=replicated),
                 num_fed=pick_bucket(s, self.runner.shapes.token_buckets),
             ).compile()
         return self._samplers[s]
@@ -149,7 +165,7 @@ class DraftModelProposer:
         s = batch.kv_lens.shape[0]
         sample = self._sampler(s)
         vocab = self.runner.cfg.vocab_size
-        t, drafts, probs = jax.device_put(
+        t, drafts, probs = self.runner.put(
             (
                 batch.sampling,
                 np.zeros((s, self.k), np.int32),
@@ -161,7 +177,7 @@ class DraftModelProposer:
         room = np.zeros(s, np.int64)
         room[: len(rooms)] = rooms
         for j in range(self.k):
-            drafts, probs, fed = sample(logits, t, jax.device_put(np.int32(j)), drafts, probs)
+            drafts, probs, fed = sample(logits, t, self.runner.put(np.int32(j)), drafts, probs)
             logits = self._forward_one(fed, batch, known, room, j + 1)
         host = np.asarray(drafts)  # i32[S, K]
         return Proposals([host[i, :r].tolist() for i, r in enumerate(rooms)], probs)
@@ -173,7 +189,7 @@ class DraftModelProposer:
         batch = runner.builder.build(out, kv, penalties=False)
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
         forward = runner.compiled.get(Variant("forward", tokens=t, seqs=s))
-        placed = jax.device_put(dataclasses.replace(batch, token_bitmask=None))
+        placed = runner.put(dataclasses.replace(batch, token_bitmask=None))
         result, runner.kv_caches = forward(
             runner.params, runner.kv_caches, placed.token_ids, placed.positions,
             attention_metadata(placed), placed.logits_indices, None, runner.host_tokens_only(t),
@@ -207,9 +223,7 @@ class DraftModelProposer:
             num_seqs=np.int32(s),
         )
         forward = runner.compiled.get(Variant("forward", tokens=t, seqs=s))
-        placed, meta, rows = jax.device_put(
-            (_pad(positions, t, 0), meta, np.arange(s, dtype=np.int32))
-        )
+        placed, meta, rows = runner.put((_pad(positions, t, 0), meta, np.arange(s, dtype=np.int32)))
         result, runner.kv_caches = forward(
             runner.params, runner.kv_caches, fed, placed, meta, rows, None,
             runner.host_tokens_only(t),

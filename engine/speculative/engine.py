@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from jax.sharding import Mesh
+
 from engine.config import ModelConfig, SpeculativeConfig
 from engine.errors import XlaserveError
 from engine.llm_engine import (
@@ -40,6 +42,7 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.speculative import grammar
 from engine.speculative.draft import DraftModelProposer, NgramProposer, Proposals, Proposer
 from engine.speculative.verify import Verifier, VerifyResult
+from sharding.layout import ShardingLayout
 
 
 @dataclass
@@ -81,23 +84,21 @@ class SpeculativeEngine(LLMEngine):
         speculative: SpeculativeConfig,
         draft: tuple[ModelConfig, Params] | None = None,
         warm_up: bool = True,
+        mesh: Mesh | None = None,
+        layout: ShardingLayout | None = None,
         **kwargs: Any,
     ):
-        """`draft`: the draft model's config and parameters (method draft_model)."""
-        if kwargs.get("mesh") is not None and draft is not None:
-            raise XlaserveError(
-                "speculative decoding with a draft model over a device mesh is not supported "
-                "yet (the draft model runs on one device); use method 'ngram'"
-            )
+        """`draft`: the draft model's config and parameters (method draft_model), sharded over
+        `mesh` as `layout` says, as the target is."""
         if (speculative.method == "draft_model") != (draft is not None):
             raise XlaserveError("a draft model's weights go with method 'draft_model' only")
-        super().__init__(*args, warm_up=False, **kwargs)
+        super().__init__(*args, warm_up=False, mesh=mesh, layout=layout, **kwargs)
         self.async_scheduling = False  # proposals are made from the tokens the host knows
         self.speculative = speculative
         self.verifier = Verifier(self.runner, speculative)
         self.proposer: Proposer = NgramProposer(speculative)
         if draft is not None:
-            self.proposer = self._draft_proposer(*draft)
+            self.proposer = self._draft_proposer(*draft, mesh, layout)
         self.spec_counters = SpecDecodeCounters(
             accepted_per_position=[0] * speculative.num_speculative_tokens
         )
@@ -108,13 +109,17 @@ class SpeculativeEngine(LLMEngine):
             self.verifier.warm_up()
             self.runner.warm_up()
 
-    def _draft_proposer(self, cfg: ModelConfig, params: Params) -> DraftModelProposer:
+    def _draft_proposer(
+        self, cfg: ModelConfig, params: Params, mesh: Mesh | None, layout: ShardingLayout | None
+    ) -> DraftModelProposer:
         if cfg.vocab_size != self.cfg.vocab_size:
             raise XlaserveError(
                 f"the draft model's vocabulary ({cfg.vocab_size} tokens) is not the target's "
                 f"({self.cfg.vocab_size}); a draft model must share the target's tokenizer"
             )
-        return DraftModelProposer(cfg, params, self.runner, self.scheduler_config, self.speculative)
+        return DraftModelProposer(
+            cfg, params, self.runner, self.scheduler_config, self.speculative, mesh, layout
+        )
 
     def warm_up_step(self) -> bool:
         return (

@@ -31,7 +31,6 @@ from engine.sampling import SamplerOutput, bitmask_words
 from engine.scheduler import SchedulerOutput
 from engine.speculative.rejection import VerifyOutput, jitted_verify
 from engine.step import StepOptions, attention_metadata
-from sharding.multihost import put_replicated
 
 
 @jax.tree_util.register_dataclass
@@ -118,13 +117,6 @@ def verify_indices(cu_q_lens: np.ndarray, num_drafts: np.ndarray, k: int) -> np.
     return indices.reshape(-1).astype(np.int32)
 
 
-def _put(runner: ModelRunner, tree: Any) -> Any:
-    """Host arrays -> the device, or replicated over the runner's mesh (tensor parallelism)."""
-    if runner.plan is None:
-        return jax.device_put(tree)
-    return put_replicated(tree, runner.plan.replicated)
-
-
 class Verifier:
     """Runs verification steps on a model runner's parameters and KV cache."""
 
@@ -169,7 +161,7 @@ class Verifier:
         verify = self.compiled.get(Variant("sample", seqs=s, penalties=options.apply_penalties))
         host = dataclasses.replace(batch, token_bitmask=None)
         want = np.bool_(options.num_top_logprobs > 0)
-        placed, indices, drafts, counts, want = _put(runner, (host, indices, drafts, counts, want))
+        placed, indices, drafts, counts, want = runner.put((host, indices, drafts, counts, want))
         lora = None if runner.lora is None else LoRAInputs(runner.lora.weights, placed.lora_slots)
         hidden_logits, runner.kv_caches = forward(
             runner.params, runner.kv_caches, placed.token_ids, placed.positions,
@@ -179,7 +171,7 @@ class Verifier:
         host_mask = np.full((s * (self.k + 1), words), -1, np.int32)  # a mask per position
         if fill_bitmask is not None:
             fill_bitmask(host_mask)
-        bitmask = _put(runner, host_mask)
+        bitmask = runner.put(host_mask)
         runs = verify(
             hidden_logits.logits, placed.sampling, drafts, counts, want, bitmask, draft_probs
         )

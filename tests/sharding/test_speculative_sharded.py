@@ -1,7 +1,7 @@
-"""Speculative decoding (n-gram) over a device mesh (tensor and pipeline parallelism, and
-data-parallel replicas) against the single-device engine without speculation (the oracle,
-tests/sharding/conftest.py): greedy tokens identical and logprobs within the sharded tests'
-tolerance, with proposals accepted on the way."""
+"""Speculative decoding over a device mesh (n-gram with tensor and pipeline parallelism and
+data-parallel replicas; a draft model sharded as the target is) against the single-device
+engine without speculation (the oracle, tests/sharding/conftest.py): greedy tokens identical
+and logprobs within the sharded tests' tolerance, with proposals accepted on the way."""
 
 from __future__ import annotations
 
@@ -51,13 +51,40 @@ def test_ngram_speculation_over_a_mesh_matches_single_device(tiny, single_device
     assert all(e.kv_cache.num_free_pages == e.kv_cache.num_pages for e in engines)
 
 
-def test_a_draft_model_over_several_devices_is_refused(tmp_path) -> None:
-    """The draft model runs on one device: refused with a message naming the way out."""
-    model = str(write_tiny_checkpoint(tmp_path))
-    config = EngineConfig(
-        model,
-        parallel=ParallelConfig(ShardingLayout.named(tp=2)),
-        speculative=SpeculativeConfig("draft_model", 2, model=model),
+def test_a_draft_model_over_a_mesh_matches_single_device(tiny, single_device) -> None:
+    """The draft (here the target itself: every proposal it draws greedily is accepted) sharded
+    as the target is, over TP=2; greedy equals the single-device engine without speculation."""
+    cfg, params, tokenizer = tiny
+    layout = ShardingLayout.named(tp=2)
+    engine = SpeculativeEngine(
+        cfg,
+        params,
+        tokenizer,
+        speculative=SpeculativeConfig("draft_model", 2, model="itself"),
+        draft=(cfg, params),
+        cache_config=CACHE,
+        scheduler_config=SCHEDULER,
+        warm_up=False,
+        mesh=make_mesh(layout, jax.devices()[: layout.num_devices]),
+        layout=layout,
     )
-    with pytest.raises(XlaserveError, match=r"draft model over several devices.*'ngram'"):
+    assert_same(generate(engine), single_device[1])
+    stats = engine.stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+
+
+def test_a_draft_model_whose_heads_a_layout_cannot_split_is_refused(tmp_path) -> None:
+    """The draft is sharded as the target is: a draft with one KV head under TP=2 is refused
+    at build time with a message naming the draft."""
+    target = str(write_tiny_checkpoint(tmp_path / "target"))
+    draft = str(
+        write_tiny_checkpoint(tmp_path / "draft", num_attention_heads=1, num_key_value_heads=1)
+    )
+    config = EngineConfig(
+        target,
+        parallel=ParallelConfig(ShardingLayout.named(tp=2)),
+        speculative=SpeculativeConfig("draft_model", 2, model=draft),
+    )
+    with pytest.raises(XlaserveError, match=r"the draft model .*draft"):
         build_engine(config)
