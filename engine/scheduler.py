@@ -142,11 +142,17 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             pending = request.num_pending_tokens
-            if pending and _surely_finished(request, model_len):
-                i += 1  # its pending token is its last: the step after it would be discarded
+            num_out = len(request.output_token_ids)
+            known = len(request.prompt_token_ids) + num_out
+            # Its pending token is surely its last (max_tokens or the context length): the step
+            # after it would be discarded. (Inline: every sequence, every asynchronous step.)
+            if pending and (
+                num_out + pending >= request.sampling_params.max_tokens
+                or known + pending >= model_len
+            ):
+                i += 1
                 continue
             computed = request.num_computed_tokens
-            known = len(request.prompt_token_ids) + len(request.output_token_ids)
             num_new = min(known + pending - computed, budget)
             while allocate(request.request_id, computed + num_new) is None:
                 victim = running.pop()  # lowest priority, newest
@@ -286,18 +292,6 @@ class Scheduler:
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
-
-
-def _surely_finished(request: Request, model_len: int) -> bool:
-    """Whether the token a step in flight samples for the request is certain to end it (at
-    max_tokens or the context length): it is not scheduled again meanwhile."""
-    if not request.num_pending_tokens:
-        return False
-    limit = request.sampling_params.max_tokens
-    return (
-        request.num_output_tokens_with_pending >= limit
-        or request.num_tokens_with_pending >= model_len
-    )
 
 
 def _serving_order(request: Request) -> tuple[int, float]:
