@@ -1,16 +1,19 @@
-"""The post-processing fast path (`SequenceOutput.fast_delta`, `LLMEngine._postprocess` for plain
-requests) against the general path it short-cuts, which is the oracle: the same token streams
-and the same engine batches, with every request forced onto the general path, give the same
-deltas and stops."""
+"""The host's fast paths against the general paths they short-cut, which are the oracles:
+post-processing (`SequenceOutput.fast_delta`, `LLMEngine._postprocess` for plain requests: the
+same token streams and engine batches, with every request forced onto the general path, give
+the same deltas and stops) and the batch's sampling arrays (`SamplingCache`, equal to
+`sampling_tensors` built afresh for every batch)."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from engine import llm_engine
+from engine.batch import SamplingCache, sampling_tensors
 from engine.llm_engine import LLMEngine
 from engine.output_processor import SequenceOutput
 from engine.request import Request, RequestOutput, SamplingParams
@@ -103,3 +106,38 @@ def test_a_mixed_batch_equals_the_general_path(
     general = _mixed_batch(engine)
     assert fast == general
     assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+
+
+def test_the_sampling_cache_equals_arrays_built_afresh() -> None:
+    rng = random.Random(0)
+    params = [
+        SamplingParams(temperature=0.5, top_k=5, top_p=0.9, seed=1),
+        SamplingParams(temperature=0, min_p=0.1),
+        SamplingParams(temperature=1.0, min_tokens=3, max_tokens=20, stop_token_ids=(7,)),
+        SamplingParams(temperature=0.7, logit_bias={3: 2.0}),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.1),
+    ]
+    # The first six are plain (the cache may keep their arrays), the others may not be.
+    pool = [
+        Request(f"r{i}", [1, 2, 3], params[i % 2] if i < 6 else rng.choice(params), seed=i)
+        for i in range(12)
+    ]
+    eos = (2,)
+    cache = SamplingCache(eos)
+    batch = pool[:6]
+    reused = 0
+    for step in range(300):
+        if rng.random() < 0.2:  # the batch changes: some leave, some join, the order too
+            batch = rng.sample(rng.choice([pool, pool[:6]]), rng.randint(1, 6))
+        for r in batch:  # a token comes, or one is pending on the device
+            r.num_pending_tokens = rng.randint(0, 1)
+            r.output_token_ids.append(5)
+        num_seqs = 8 if rng.random() < 0.8 else 16
+        penalty_len = 512 if rng.random() < 0.1 else 0
+        last = cache._last
+        got = cache.tensors(list(batch), num_seqs, penalty_len)
+        reused += last is not None and got.temperature is last.temperature
+        expected = sampling_tensors(batch, num_seqs, penalty_len, eos)
+        for name, value in vars(expected).items():
+            np.testing.assert_array_equal(getattr(got, name), value, err_msg=f"{name} {step}")
+    assert reused > 10  # the cache was used at all
