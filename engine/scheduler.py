@@ -248,13 +248,22 @@ class Scheduler:
         completed = []
         kv = self.kv_cache
         windowed = kv.sliding_window is not None
+        # Once per scheduled sequence per step: `ScheduledRequest.num_known_tokens` inline.
+        caching, page_size, committed = (
+            kv.enable_prefix_caching,
+            kv.page_size,
+            kv.num_committed_pages,
+        )
         for s in out.scheduled:
             request = s.request
-            computed = request.num_computed_tokens = s.num_known_tokens
+            computed = s.start + s.num_new_tokens - len(s.draft_token_ids)
+            request.num_computed_tokens = computed
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             # A page holding a pending token is hashed by a later step, once the host knows it.
             known = min(computed, num_tokens)
-            if self._fills_a_page(request, known):  # only then join prompt and output to hash it
+            # Only when it fills a page not in the prefix cache yet, join prompt and output to
+            # hash it.
+            if caching and known // page_size > committed(request.request_id):
                 kv.commit_full_pages(
                     request.request_id, request.all_token_ids, known, request.cache_salt
                 )
@@ -263,14 +272,6 @@ class Scheduler:
             if computed == num_tokens + request.num_pending_tokens:  # s.completes_sequence
                 completed.append(request)
         return completed
-
-    def _fills_a_page(self, request: Request, known: int) -> bool:
-        """Whether the request's `known` computed tokens fill a page not in the prefix cache
-        yet."""
-        kv = self.kv_cache
-        return kv.enable_prefix_caching and known // kv.page_size > (
-            kv.num_committed_pages(request.request_id)
-        )
 
     # ---- state -------------------------------------------------------------------------------
 
