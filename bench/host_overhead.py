@@ -24,6 +24,12 @@ on the same two cores, as a load generator beside a server does.
 
 (c) The sizes above with asynchronous scheduling off and on, side by side: steps per second,
 and the asynchronous loop's own phases (its `wait` is what the device step did not hide).
+Here the "device" is XLA:CPU on the same two cores as the host: with asynchronous scheduling
+its compute runs beside the host's Python and takes a core from it (a TPU or GPU would not), so
+the asynchronous loop's phases take longer in wall time than the synchronous ones for the same
+work (their CPU time differs little), and (c) understates what the overlap gives beside an
+accelerator. XLA_FLAGS such as --xla_cpu_multi_thread_eigen=false do not confine XLA:CPU's
+thread pool in this jax, so the benchmark cannot give the "device" a core of its own that way.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ Boundary code: NumPy only; the model runner moves the result to the device.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -89,6 +90,7 @@ class BatchBuilder:
         self._buffers = [self._allocate(), self._allocate()]
         self._turn = 0
         self._last_rows: dict[str, int] = {}  # request id -> its row in the last batch built
+        self._sampling_cache = SamplingCache(self.eos_token_ids)
 
     def _allocate(self) -> dict[str, np.ndarray]:
         t, s, p = (
@@ -183,7 +185,7 @@ class BatchBuilder:
     def _sampling(self, out: SchedulerOutput, s: int, *, penalties: bool) -> SamplingTensors:
         requests = [scheduled.request for scheduled in out.scheduled]
         penalty_len = self.shapes.penalty_len if penalties else 0
-        return sampling_tensors(requests, s, penalty_len, self.eos_token_ids)
+        return self._sampling_cache.tensors(requests, s, penalty_len)
 
 
 @dataclass
@@ -312,6 +314,40 @@ def sampling_tensors(
         prompt_ids=prompt_ids,
         output_ids=output_ids,
     )
+
+
+class SamplingCache:
+    """`sampling_tensors` for a stream of batches, reusing the last batch's arrays while its
+    requests are the same ones in the same order (most decode steps): only `output_index`
+    changes then. Batches with a logit bias, min_tokens or penalties (whose arrays change as
+    tokens come) are built afresh. The reused arrays are never written again, so a device
+    array that aliases one of them stays valid."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self._eos_token_ids = eos_token_ids
+        self._requests: list[Request] = []
+        self._last: SamplingTensors | None = None
+
+    def tensors(self, requests: list[Request], num_seqs: int, penalty_len: int) -> SamplingTensors:
+        last = self._last
+        if (
+            last is None
+            or penalty_len
+            or requests != self._requests  # Request compares by identity
+            or last.temperature.shape[0] != num_seqs
+        ):
+            tensors = sampling_tensors(requests, num_seqs, penalty_len, self._eos_token_ids)
+            static = not penalty_len and not any(
+                r.sampling_params.logit_bias or r.sampling_params.min_tokens for r in requests
+            )
+            self._requests, self._last = (requests, tensors) if static else ([], None)
+            return tensors
+        output_index = np.zeros(num_seqs, np.int32)  # i32[S]
+        n = len(requests)
+        output_index[:n] = np.fromiter(
+            (len(r.output_token_ids) + r.num_pending_tokens for r in requests), np.int32, n
+        )
+        return dataclasses.replace(last, output_index=output_index)
 
 
 def _bias(request: Request, eos_token_ids: tuple[int, ...]) -> tuple[list[int], list[float]]:

@@ -45,10 +45,12 @@ from engine.models.layers import Params
 from engine.output_processor import SequenceOutput, StopDecision
 from engine.protocol import Engine, EngineStats, Health, ModelInfo
 from engine.request import (
+    CompletionOutput,
     FinishReason,
     OutputAccumulator,
     Request,
     RequestOutput,
+    RequestStatus,
     SamplingParams,
     Usage,
     validate_prompt,
@@ -81,6 +83,9 @@ class _Parent:
     pending: list[Request] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)
     announced: bool = False  # its first output (with the prompt) has been handed out
+    # One sequence with neither stop strings, logprobs nor a grammar: most steps of it take
+    # `_postprocess`'s fast path (`SequenceOutput.fast_delta`).
+    plain: bool = False
 
 
 @dataclass(frozen=True)
@@ -296,7 +301,9 @@ class LLMEngine:
             )
             for _ in children
         ]
-        parent = _Parent(request_id, ids, children, outputs, pending=children[1:])
+        parent = _Parent(
+            request_id, ids, children, outputs, pending=children[1:], plain=_is_plain(params)
+        )
         self._parents[request_id] = parent
         for i, child in enumerate(children):
             self._child_parent[child.request_id] = (parent, i)
@@ -435,26 +442,49 @@ class LLMEngine:
     def _postprocess(
         self, out: SchedulerOutput, completed: list[Request], result: StepOutput
     ) -> list[RequestOutput]:
-        row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+        """Records each completed request's sampled token; returns the requests' deltas, in the
+        order they first progressed. A plain sequence's token that neither stops it nor reaches
+        its length (most tokens) takes a fast path: one call appends, detokenizes and makes its
+        delta, as `_record_token` then `_request_output` would."""
         tokens = result.token_ids.tolist()  # one conversion, not a NumPy scalar per sequence
+        rows: Sequence[int]
+        if len(completed) == len(out.scheduled):  # every row counts (decodes): completed[i]'s
+            rows = range(len(completed))
+        else:
+            row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+            rows = [row[r.request_id] for r in completed]
         progressed: dict[str, list[int]] = {}  # request id -> its choices that progressed
-        parents: list[_Parent] = []  # in the order they first progressed
+        deltas: list[RequestOutput | _Parent] = []  # a parent: its delta, made once all progressed
         now = time.monotonic()
-        for request in completed:
+        child_parent, finished = self._child_parent, RequestStatus.FINISHED
+        num_fast = 0
+        for request, i in zip(completed, rows, strict=True):
             request.num_pending_tokens -= 1
-            if request.is_finished:  # stopped by its last token, or aborted: this one is void
+            if request.status is finished:  # stopped by its last token, or aborted: void
                 continue
-            i = row[request.request_id]
+            token = tokens[i]
+            parent = child_parent[request.request_id][0]
+            if parent.plain:
+                delta = parent.outputs[0].fast_delta(request, token)
+                if delta is not None:  # recorded; None: it may stop here (the general path)
+                    request.first_token_time = request.first_token_time or now
+                    deltas.append(_fast_output(parent, request, delta))
+                    num_fast += 1
+                    continue
             k = request.sampling_params.logprobs
             entry = None if k is None else _logprob_entry(result, i, k)
-            parent, index, _ = self._record_token(request, tokens[i], entry, now)
+            parent, index, _ = self._record_token(request, token, entry, now)
             indices = progressed.get(parent.request_id)
             if indices is None:
                 progressed[parent.request_id] = [index]
-                parents.append(parent)
+                deltas.append(parent)
             else:
                 indices.append(index)
-        return [self._request_output(p, progressed[p.request_id]) for p in parents]
+        self.counters.num_generation_tokens += num_fast
+        return [
+            d if isinstance(d, RequestOutput) else self._request_output(d, progressed[d.request_id])
+            for d in deltas
+        ]
 
     def _record_token(
         self, request: Request, token: int, logprobs: dict[int, float] | None, now: float
@@ -511,6 +541,34 @@ class LLMEngine:
             arrival_time=first.arrival_time,
             scheduled_time=first.scheduled_time,
         )
+
+
+def _is_plain(params: SamplingParams) -> bool:
+    """Whether a request's outputs may take `_postprocess`'s fast path: one sequence, and
+    nothing but its tokens and text to hand out (no stop string holds text back)."""
+    return (
+        params.n == 1
+        and not params.stop
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and params.structured_outputs is None
+    )
+
+
+def _fast_output(parent: _Parent, request: Request, delta: CompletionOutput) -> RequestOutput:
+    """A plain request's delta for a token that did not finish it (`_request_output`'s, made
+    without its general cases)."""
+    announce, parent.announced = not parent.announced, True
+    return RequestOutput(
+        parent.request_id,
+        [delta],
+        False,
+        parent.prompt_token_ids if announce else None,
+        None,
+        None,
+        request.arrival_time,
+        request.scheduled_time,
+    )
 
 
 def _needs_host_tokens(request: Request) -> bool:

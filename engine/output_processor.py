@@ -82,6 +82,25 @@ class SequenceOutput:
             return StopDecision(FinishReason.LENGTH)
         return None
 
+    def fast_delta(self, request: Request, token: int) -> CompletionOutput | None:
+        """For the only sequence of a request without stop strings or logprobs: `token`
+        appended to request.output_token_ids, then `append` and `take_delta(request, 0)` in
+        one, for a token that neither may stop the sequence nor reaches its length (most
+        tokens). None for any other token, with nothing recorded: the caller takes the general
+        path."""
+        ids = request.output_token_ids
+        num_out = len(ids) + 1
+        if (
+            token in self._stopping
+            or num_out >= self._params.max_tokens
+            or num_out + len(request.prompt_token_ids) >= self._max_model_len
+        ):
+            return None
+        ids.append(token)
+        text, self._unsent = self._unsent + self._detokenizer.add(token), ""
+        start, self._num_sent_tokens = self._num_sent_tokens, num_out
+        return CompletionOutput(0, text, ids[start:])
+
     def grammar_done(self) -> StopDecision:
         """The sequence's grammar (structured output) is complete: it stops, as at EOS."""
         self._unsent += self._detokenizer.flush()

@@ -142,11 +142,17 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             pending = request.num_pending_tokens
-            if pending and _surely_finished(request, model_len):
-                i += 1  # its pending token is its last: the step after it would be discarded
+            num_out = len(request.output_token_ids)
+            known = len(request.prompt_token_ids) + num_out
+            # Its pending token is surely its last (max_tokens or the context length): the step
+            # after it would be discarded. (Inline: every sequence, every asynchronous step.)
+            if pending and (
+                num_out + pending >= request.sampling_params.max_tokens
+                or known + pending >= model_len
+            ):
+                i += 1
                 continue
             computed = request.num_computed_tokens
-            known = len(request.prompt_token_ids) + len(request.output_token_ids)
             num_new = min(known + pending - computed, budget)
             while allocate(request.request_id, computed + num_new) is None:
                 victim = running.pop()  # lowest priority, newest
@@ -242,13 +248,22 @@ class Scheduler:
         completed = []
         kv = self.kv_cache
         windowed = kv.sliding_window is not None
+        # Once per scheduled sequence per step: `ScheduledRequest.num_known_tokens` inline.
+        caching, page_size, committed = (
+            kv.enable_prefix_caching,
+            kv.page_size,
+            kv.num_committed_pages,
+        )
         for s in out.scheduled:
             request = s.request
-            computed = request.num_computed_tokens = s.num_known_tokens
+            computed = s.start + s.num_new_tokens - len(s.draft_token_ids)
+            request.num_computed_tokens = computed
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             # A page holding a pending token is hashed by a later step, once the host knows it.
             known = min(computed, num_tokens)
-            if self._fills_a_page(request, known):  # only then join prompt and output to hash it
+            # Only when it fills a page not in the prefix cache yet, join prompt and output to
+            # hash it.
+            if caching and known // page_size > committed(request.request_id):
                 kv.commit_full_pages(
                     request.request_id, request.all_token_ids, known, request.cache_salt
                 )
@@ -257,14 +272,6 @@ class Scheduler:
             if computed == num_tokens + request.num_pending_tokens:  # s.completes_sequence
                 completed.append(request)
         return completed
-
-    def _fills_a_page(self, request: Request, known: int) -> bool:
-        """Whether the request's `known` computed tokens fill a page not in the prefix cache
-        yet."""
-        kv = self.kv_cache
-        return kv.enable_prefix_caching and known // kv.page_size > (
-            kv.num_committed_pages(request.request_id)
-        )
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -286,18 +293,6 @@ class Scheduler:
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
-
-
-def _surely_finished(request: Request, model_len: int) -> bool:
-    """Whether the token a step in flight samples for the request is certain to end it (at
-    max_tokens or the context length): it is not scheduled again meanwhile."""
-    if not request.num_pending_tokens:
-        return False
-    limit = request.sampling_params.max_tokens
-    return (
-        request.num_output_tokens_with_pending >= limit
-        or request.num_tokens_with_pending >= model_len
-    )
 
 
 def _serving_order(request: Request) -> tuple[int, float]:
