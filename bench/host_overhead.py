@@ -20,7 +20,16 @@ the engine's own methods on this one instance; nothing in the engine changes.
 Then the same model behind `xlaserve serve` with as many streaming clients as sequences: the
 engine's steps per second there (generated tokens per second over the running count, from
 /metrics, once every client streams) against its offline rate. The clients run in this process
-on the same two cores, as a load generator beside a server does.
+on the same two cores, as a load generator beside a server does; each streams a completion to
+its end and starts the next (their first requests of staggered lengths, so that requests end
+spread over the steps), and by default reads every byte of every stream over a bare asyncio
+connection without parsing it (`--load-generator raw`): httpx parsing every SSE line
+(`--load-generator httpx`) takes a large share of the two cores from the server and the engine
+core, which a client on another machine would not. Beside the rates, each process's CPU in the
+window (from /proc: this process, the API server(s), the engine core) and the CPU milliseconds
+per step of the engine offline, of the engine core and of the API server served; the rates
+depend on what else runs on the machine, the CPU per step much less. For a profile of the
+served engine core, set XLASERVE_PROFILE_CORE (serving/engine_core.py).
 
 (c) The sizes above with asynchronous scheduling off and on, side by side: steps per second,
 and the asynchronous loop's own phases (its `wait` is what the device step did not hide).
@@ -40,6 +49,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
+import json
 import os
 import re
 import sys
@@ -175,15 +186,16 @@ def measure(
         engine.step()
     for _ in range(tries):
         clock.reset()
-        compiled, start = compilation.count(), time.perf_counter()
+        compiled, start, cpu = compilation.count(), time.perf_counter(), time.process_time()
         for _ in range(steps):
             engine.step()
-        total = time.perf_counter() - start
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu
         if compilation.count() == compiled:
             break
     per_step = {phase: clock.seconds[phase] * 1e3 / steps for phase in PHASES}
     per_step["host"] = sum(per_step[p] for p in HOST_PHASES)
     per_step["step"] = total * 1e3 / steps
+    per_step["cpu"] = cpu * 1e3 / steps  # the process's CPU (every thread's) per step
     for i in range(running):
         engine.abort_request(f"r{running}-{async_scheduling}-{i}")
     while engine.has_unfinished_requests():
@@ -199,10 +211,17 @@ ENGINE_PLACES = {  # --served-engine: where the served engine runs, and the serv
 
 
 def served_steps_per_second(
-    model_dir: Path, running: int, port: int, window: float, log_dir: Path, place: str = "core"
-) -> float:
+    model_dir: Path,
+    running: int,
+    port: int,
+    window: float,
+    log_dir: Path,
+    place: str = "core",
+    load_generator: str = "raw",
+) -> tuple[float, dict[str, float]]:
     """Engine steps per second behind the HTTP server while `running` clients stream, with
-    the engine in its own process (`core`) or on a thread of the server's (`in-process`)."""
+    the engine in its own process (`core`) or on a thread of the server's (`in-process`), and
+    the share of one core each process used in the window (`cpu_shares`)."""
     command = [
         sys.executable, "-m", "serving.cli", "serve", "--model", str(model_dir),
         "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", str(running),
@@ -214,44 +233,137 @@ def served_steps_per_second(
     url = f"http://127.0.0.1:{port}"
     log = log_dir / f"host-overhead-serve-{place}-{running}.log"
     with baselines.server_process(command, url + "/health", log, timeout=1800):
-        return asyncio.run(_stream_and_sample(url, running, window))
+        return asyncio.run(_stream_and_sample(url, running, window, load_generator))
 
 
-async def _stream_and_sample(url: str, running: int, window: float) -> float:
+async def _stream_and_sample(
+    url: str, running: int, window: float, load_generator: str
+) -> tuple[float, dict[str, float]]:
     limits = httpx.Limits(max_connections=running + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        streams = [asyncio.create_task(_stream(client, i)) for i in range(running)]
+        streams = [
+            asyncio.create_task(
+                _stream_raw(url, i, running)
+                if load_generator == "raw"
+                else _stream_httpx(client, i, running)
+            )
+            for i in range(running)
+        ]
         try:
             while (await _metric(client, "num_requests_running")) < running:
                 failed = [t for t in streams if t.done()]
                 if failed:
-                    failed[0].result()  # raises what ended it early
-                    raise RuntimeError("a stream ended before every client was running")
+                    failed[0].result()  # raises what ended it
                 await asyncio.sleep(0.2)
             while True:  # a window in which nothing compiled (a bucket's first use may)
                 compiled = await _metric(client, "compilations_total")
                 first, start = await _metric(client, "generation_tokens_total"), time.perf_counter()
+                cpu_before = cpu_seconds()
                 await asyncio.sleep(window)
+                cpu_after = cpu_seconds()
                 last, end = await _metric(client, "generation_tokens_total"), time.perf_counter()
                 if await _metric(client, "compilations_total") == compiled:
                     break
+            failed = [t for t in streams if t.done()]
+            if failed:
+                failed[0].result()
         finally:
             for task in streams:
                 task.cancel()  # disconnects: the server aborts them
             await asyncio.gather(*streams, return_exceptions=True)
-    return (last - first) / running / (end - start)
+    shares = cpu_shares(cpu_before, cpu_after, end - start)
+    return (last - first) / running / (end - start), shares
 
 
-async def _stream(client: httpx.AsyncClient, i: int) -> None:
-    body = {
-        "model": "bench", "prompt": f"stream {i}", "max_tokens": 480, "ignore_eos": True,
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and of its descendants, by role:
+    `bench` (this process: the load generator), `core` (the engine core process, named
+    xlaserve-core), `api` (the other descendants: the API server processes)."""
+    me = os.getpid()
+    parents: dict[int, int] = {}
+    times: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :]
+        fields = rest.split()  # from the state (field 3) on
+        pid = int(text.split(" ", 1)[0])
+        parents[pid] = int(fields[1])
+        times[pid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    totals: dict[str, float] = defaultdict(float)
+    for pid, (name, seconds) in times.items():
+        ancestor = pid
+        while ancestor not in (me, 0, 1) and ancestor in parents:
+            ancestor = parents[ancestor]
+        if pid == me:
+            totals["bench"] += seconds
+        elif ancestor == me:
+            totals["core" if name.startswith("xlaserve-core") else "api"] += seconds
+    return totals
+
+
+def cpu_shares(
+    before: dict[str, float], after: dict[str, float], seconds: float
+) -> dict[str, float]:
+    """Each role's CPU seconds in the window over its wall seconds (1.0: one core busy)."""
+    return {role: (after[role] - before.get(role, 0.0)) / seconds for role in sorted(after)}
+
+
+STREAM_TOKENS = 200  # each client's requests: short, as the offline sequences' contexts are
+
+
+def _stream_body(i: int, running: int, first: bool) -> dict[str, Any]:
+    """Client `i`'s request; its first is shorter, by i / running of the others', so that the
+    clients' requests end (and the next ones arrive) spread over the steps, not all at once."""
+    tokens = max(1, STREAM_TOKENS * i // running) if first else STREAM_TOKENS
+    return {
+        "model": "bench", "prompt": f"stream {i}", "max_tokens": tokens, "ignore_eos": True,
         "temperature": 0, "stream": True,
     }  # fmt: skip
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for _ in response.aiter_lines():
-            pass
+
+
+async def _stream_httpx(client: httpx.AsyncClient, i: int, running: int) -> None:
+    """One client (httpx, parsing every SSE line): a streamed completion read to its end, then
+    the next, until cancelled (so that as many sequences run through the whole window)."""
+    for k in itertools.count():
+        body = _stream_body(i, running, first=k == 0)
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread())[:300]
+                raise RuntimeError(f"HTTP {response.status_code}: {text!r}")
+            async for _ in response.aiter_lines():
+                pass
+
+
+async def _stream_raw(url: str, i: int, running: int) -> None:
+    """As `_stream_httpx`, over a bare asyncio connection: every byte of every response is
+    read, its status checked and its end (`data: [DONE]`) found, but nothing is parsed, so
+    that the load generator, on the same two cores, takes as little from the server as a
+    client on another machine would."""
+    host, port = url.removeprefix("http://").split(":")
+    for k in itertools.count():
+        body = json.dumps(_stream_body(i, running, first=k == 0)).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(head + body)
+            status = await reader.readline()
+            if not status.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"{status!r}: {(await reader.read(300))!r}")
+            tail = b""
+            while chunk := await reader.read(1 << 16):
+                tail = (tail + chunk)[-64:]
+            if b"data: [DONE]" not in tail:
+                raise RuntimeError(f"a stream ended without [DONE]: {tail!r}")
+        finally:
+            writer.close()
 
 
 async def _metric(client: httpx.AsyncClient, name: str) -> float:
@@ -272,16 +384,26 @@ def table(rows: dict[int, dict[str, float]]) -> list[str]:
 
 
 def served_table(
-    rows: dict[int, dict[str, float]], served: dict[tuple[str, int], float]
+    rows: dict[int, dict[str, float]], served: dict[tuple[str, int], tuple[float, dict[str, float]]]
 ) -> list[str]:
+    """The served rate against the offline one; how busy each process was meanwhile (cores:
+    CPU seconds per second of the load generator, the API server(s) and the engine core); and
+    the CPU milliseconds per engine step of the engine's process offline, of the engine core
+    served and of the API server(s), which, unlike the rates, do not depend much on what else
+    the machine runs."""
     lines = [
-        "| streaming clients | engine | offline steps/s | served steps/s | served / offline |",
-        "|---|---|---|---|---|",
+        "| streaming clients | engine | offline steps/s | served steps/s | served / offline "
+        "| cores: load generator | API server | engine core | CPU ms/step: offline "
+        "| engine core | API server |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (place, running), steps in served.items():
+    for (place, running), (steps, cpu) in served.items():
         offline = 1e3 / rows[running]["step"]
+        cores = " | ".join(f"{cpu.get(role, 0.0):.2f}" for role in ("bench", "api", "core"))
+        per_step = " | ".join(f"{cpu.get(role, 0.0) * 1e3 / steps:.2f}" for role in ("core", "api"))
         lines.append(
-            f"| {running} | {place} | {offline:.1f} | {steps:.1f} | {steps / offline:.2f} |"
+            f"| {running} | {place} | {offline:.1f} | {steps:.1f} | {steps / offline:.2f} "
+            f"| {cores} | {rows[running]['cpu']:.2f} | {per_step} |"
         )
     return lines
 
@@ -358,6 +480,13 @@ def parser() -> argparse.ArgumentParser:
         default="both",
         help="(c): measure with asynchronous scheduling on and off (both), or one of them only",
     )
+    p.add_argument(
+        "--load-generator",
+        choices=["raw", "httpx"],
+        default="raw",
+        help="the streaming clients: bare asyncio connections reading every byte (raw) or "
+        "httpx parsing every SSE line (httpx, several times the CPU on the same two cores)",
+    )
     p.add_argument("--port", type=int, default=8751)
     p.add_argument("--write-results", action="store_true")
     return p
@@ -407,7 +536,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 }
     engine.close()
     served = {
-        (place, n): served_steps_per_second(model_dir, n, args.port, args.window, model_dir, place)
+        (place, n): served_steps_per_second(
+            model_dir, n, args.port, args.window, model_dir, place, args.load_generator
+        )
         for n in args.served
         for place in args.served_engine
     }

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from engine.errors import XlaserveError
 from engine.protocol import Engine
 from engine.request import RequestOutput, SamplingParams
+from serving.collector import OutputCollector
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,12 +52,6 @@ class LoopHealth:
     step_timeout_s: float  # how long a step may take while there is work
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-
-
 class AsyncEngine:
     """While no request is waiting, the engine thread compiles the engine's step variants not
     compiled yet, one at a time (`Engine.warm_up_step`; a bucket a request needs first is
@@ -77,7 +72,7 @@ class AsyncEngine:
         self._slowest_step_s = 0.0
         self._stalled = False  # as last logged
         self._inbox: deque[Callable[[], None]] = deque()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputCollector] = {}
         self._admissions: set[asyncio.Future[None]] = set()  # generate() calls awaiting add
         self._stopping = False
         self.error: BaseException | None = None
@@ -129,7 +124,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             await asyncio.wrap_future(self.engine.compile_grammar(params.structured_outputs))
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = OutputCollector(loop)
         accepted: asyncio.Future[None] = loop.create_future()
         self._admissions.add(accepted)
         accepted.add_done_callback(self._admissions.discard)
@@ -152,7 +147,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = await stream.get()  # deltas merged while this was behind
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -292,7 +287,7 @@ class AsyncEngine:
             return
         if output.finished:
             del self._streams[output.request_id]
-        if not _call_soon(stream.loop, stream.queue.put_nowait, output):
+        if not _call_soon(stream.loop, stream.put, output):
             self._streams.pop(output.request_id, None)  # nobody is left to listen
             self.engine.abort_request(output.request_id)
 
@@ -302,7 +297,7 @@ class AsyncEngine:
             _call_soon(future.get_loop(), _settle, future, error)
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
-            _call_soon(stream.loop, stream.queue.put_nowait, error)
+            _call_soon(stream.loop, stream.put, error)
         self._streams.clear()
 
 

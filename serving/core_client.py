@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
@@ -42,16 +41,11 @@ from serving.async_engine import (
     EngineDeadError,
     LoopHealth,
 )
+from serving.collector import OutputCollector
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STOP_SLACK_S = 30.0  # what the core gets beyond its drain time to close the engine and exit
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
 
 
 class EngineCoreClient:
@@ -75,7 +69,7 @@ class EngineCoreClient:
         self._process = process
         self._step_timeout = step_timeout
         self._lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputCollector] = {}
         self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
         self._status: wire.CoreStatus | None = None
@@ -143,7 +137,7 @@ class EngineCoreClient:
         health = self.health()
         if not health.ok:
             raise EngineDeadError(f"engine is not serving: {health.reason}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = OutputCollector(asyncio.get_running_loop())
         with self._lock:
             if self._dead:
                 raise EngineDeadError(f"engine is not serving: {self._dead}")
@@ -154,7 +148,7 @@ class EngineCoreClient:
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = await stream.get()  # deltas merged while this was behind
                 if isinstance(item, BaseException):
                     finished = True  # the core has dropped it already
                     raise item
@@ -265,12 +259,12 @@ class EngineCoreClient:
             with self._lock:
                 stream = self._streams.pop(message[1], None)
             if stream is not None:
-                _call_soon(stream.loop, stream.queue.put_nowait, message[2])
+                _call_soon(stream.loop, stream.put, message[2])
         elif kind == wire.REPLY:
             self._answer(*message[1:])
 
     def _deliver(self, items: list[RequestOutput | wire.CompactOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputCollector, RequestOutput]]] = {}
         with self._lock:
             self._heard = time.monotonic()
             for item in items:
@@ -307,7 +301,7 @@ class EngineCoreClient:
             log.error("engine unhealthy: %s", reason)
         error = EngineDeadError(reason)
         for stream in streams.values():
-            _call_soon(stream.loop, stream.queue.put_nowait, error)
+            _call_soon(stream.loop, stream.put, error)
         for future in calls.values():
             future.set_exception(error)
 
@@ -374,9 +368,9 @@ class RemoteEngine:
         pass  # the client's shutdown ends the core
 
 
-def _put_all(deliveries: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(deliveries: list[tuple[OutputCollector, RequestOutput]]) -> None:
     for stream, output in deliveries:
-        stream.queue.put_nowait(output)
+        stream.put(output)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
 import queue
 import signal
@@ -48,6 +49,9 @@ T = TypeVar("T")
 STATUS_INTERVAL_S = 0.1  # how often every API server hears from the core (and at least ...)
 OWNER = 0  # ... the API server whose STOP ends the core: the one that started it
 SHUTTING_DOWN = "server shutting down"
+# A path: the core's loop runs under cProfile, its statistics written there when it ends (to
+# see where a served step's host time goes; bench/host_overhead.py's served rows).
+PROFILE_ENV = "XLASERVE_PROFILE_CORE"
 
 
 def run_core(config: EngineConfig, conns: Sequence[Connection], verbose: bool) -> None:
@@ -81,7 +85,18 @@ def run_core(config: EngineConfig, conns: Sequence[Connection], verbose: bool) -
     hello = [(wire.HELLO, engine.model_info(), engine.tokenizer)]
     for conn in conns:
         _send_quietly(conn, hello)
-    EngineCore(engine, conns, compilation.count).run()
+    core = EngineCore(engine, conns, compilation.count)
+    profile_to = os.environ.get(PROFILE_ENV)
+    if not profile_to:
+        core.run()
+        return
+    import cProfile
+
+    with cProfile.Profile() as profile:
+        try:
+            core.run()
+        finally:
+            profile.dump_stats(profile_to)
 
 
 class EngineCore:

@@ -20,12 +20,24 @@ T = TypeVar("T")
 _DONE = object()
 
 
-async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
+async def merge(
+    streams: Sequence[AsyncGenerator[T, None]],
+) -> AsyncGenerator[tuple[int, T], None]:
     """Items of all `streams` as they come, tagged with the stream's index. Closing (or
-    cancelling) the merge cancels every stream, which aborts its engine request."""
+    cancelling) the merge cancels every stream, which aborts its engine request.
+
+    A lone stream (most requests) is read directly, not through a task and a queue: besides
+    the hand-offs saved per item, a consumer that falls behind (a slow client) then leaves the
+    engine's deltas to be merged upstream (serving/collector.py) rather than queued here one
+    by one."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
         try:
             async for item in stream:
                 queue.put_nowait((index, item))
@@ -52,7 +64,9 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def final_outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+async def final_outputs(
+    streams: Sequence[AsyncGenerator[RequestOutput, None]],
+) -> list[RequestOutput]:
     """Each stream's deltas joined into its whole output, in the order of `streams`."""
     joined = [OutputAccumulator() for _ in streams]
     async with aclosing(merge(streams)) as merged:

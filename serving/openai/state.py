@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -139,21 +140,23 @@ class ServerState:
         params: SamplingParams,
         priority: int,
         lora_name: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's stream for one prompt (with the LoRA adapter `lora_name`, if given),
         with latency metrics observed."""
         async_engine, _ = self.ready()
         started = time.monotonic()
         first: float | None = None
-        async for output in async_engine.generate(
+        outputs = async_engine.generate(
             request_id, prompt_ids, params, priority=priority, lora_name=lora_name
-        ):
-            if first is None:
-                first = time.monotonic()
-                self.metrics.first_token(first - started)
-            if output.finished:
-                self.metrics.finished(output, started, first, time.monotonic())
-            yield output
+        )
+        async with aclosing(outputs):  # closing this stream aborts the request at once
+            async for output in outputs:
+                if first is None:
+                    first = time.monotonic()
+                    self.metrics.first_token(first - started)
+                if output.finished:
+                    self.metrics.finished(output, started, first, time.monotonic())
+                yield output
 
 
 class ReleaseAdmissions:
