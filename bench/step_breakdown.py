@@ -93,7 +93,7 @@ def variant(name: str) -> Iterator[None]:
 
 
 def build(model: Path, running: int, args: argparse.Namespace) -> LLMEngine:
-    context = args.prompt_len + args.warm_steps + args.steps + 8
+    context = args.prompt_len + _max_tokens(args)
     engine = build_engine(
         EngineConfig(
             str(model),
@@ -112,14 +112,18 @@ def build(model: Path, running: int, args: argparse.Namespace) -> LLMEngine:
     return engine
 
 
+def _max_tokens(args: argparse.Namespace) -> int:
+    """What each sequence generates: the warm-up steps and every timed window, with room."""
+    return args.warm_steps + args.steps * args.repeats + 4
+
+
 def measure(engine: LLMEngine, running: int, args: argparse.Namespace) -> dict[str, float]:
     """Milliseconds per decode step in each phase with `running` sequences decoding after
     prompts of args.prompt_len random tokens; median of args.repeats windows of args.steps."""
     clock = instrument(engine)
     rng = np.random.default_rng(0)
     vocab = engine.model_info().vocab_size
-    max_tokens = args.warm_steps + args.steps * args.repeats + 4
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=_max_tokens(args), ignore_eos=True)
     for i in range(running):
         prompt = rng.integers(4, vocab - 4, args.prompt_len).tolist()
         engine.add_request(f"r{running}-{i}", prompt, params)
