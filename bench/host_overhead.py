@@ -546,7 +546,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = "\n".join(
         [
             *common.preamble(command, {"jax": version("jax")}),
-            f"- model: random Llama, {MODEL_DIMS}, float32; {PROMPT_LEN}-token prompts, "
+            f"- model: random Llama, {MODEL_DIMS}, float32, byte tokenizer, output layer zero "
+            f"past ASCII (whole-piece tokens, as real text); {PROMPT_LEN}-token prompts, "
             f"greedy, EOS ignored; {args.steps} timed decode steps per size; milliseconds per "
             f"step; (a) with asynchronous scheduling {'on' if False not in measured else 'off'}",
             "",
