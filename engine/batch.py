@@ -7,6 +7,7 @@ Boundary code: NumPy only; the model runner moves the result to the device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -286,13 +287,18 @@ def sampling_tensors(
         array[:n] = values[:, j]
         return array
 
-    bias_ids = np.full((num_seqs, BIAS_WIDTH), -1, np.int32)
-    bias_values = np.zeros((num_seqs, BIAS_WIDTH), np.float32)
-    for i, (r, p) in enumerate(zip(requests, params, strict=True)):
-        if p.logit_bias or len(r.output_token_ids) + r.num_pending_tokens < p.min_tokens:
-            ids, bias = _bias(r, eos_token_ids)
-            bias_ids[i, : len(ids)] = ids
-            bias_values[i, : len(ids)] = bias
+    biased = [
+        (i, r)
+        for i, (r, p) in enumerate(zip(requests, params, strict=True))
+        if p.logit_bias or len(r.output_token_ids) + r.num_pending_tokens < p.min_tokens
+    ]
+    bias_ids, bias_values = no_bias(num_seqs)
+    if biased:
+        bias_ids, bias_values = bias_ids.copy(), bias_values.copy()
+    for i, r in biased:
+        ids, bias = _bias(r, eos_token_ids)
+        bias_ids[i, : len(ids)] = ids
+        bias_values[i, : len(ids)] = bias
     prompt_ids = np.full((num_seqs, penalty_len), -1, np.int32)
     output_ids = np.full((num_seqs, penalty_len), -1, np.int32)
     if penalty_len:
@@ -314,6 +320,17 @@ def sampling_tensors(
         prompt_ids=prompt_ids,
         output_ids=output_ids,
     )
+
+
+@functools.cache
+def no_bias(num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """The bias arrays (ids, values) of `num_seqs` rows none of which has a bias, shared by
+    every batch without one and never written: the largest of a step's inputs (BIAS_WIDTH
+    entries a row), which the runner therefore keeps on the device (`ModelRunner`)."""
+    ids = np.full((num_seqs, BIAS_WIDTH), -1, np.int32)
+    values = np.zeros((num_seqs, BIAS_WIDTH), np.float32)
+    ids.flags.writeable = values.flags.writeable = False
+    return ids, values
 
 
 class SamplingCache:

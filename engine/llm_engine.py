@@ -411,11 +411,12 @@ class LLMEngine:
     def _dispatch(self, out: SchedulerOutput) -> _Launched:
         """Dispatches the scheduled step; its sampled tokens count as pending until it is
         finished."""
-        params = [s.request.sampling_params for s in out.scheduled]
+        # Most steps have no request with penalties, logprobs or a grammar: one pass finds that.
+        special = [p for s in out.scheduled if not (p := s.request.sampling_params).plain_step]
         options = self.runner.options(
-            penalties=any(p.uses_penalties for p in params),
-            logprobs=any(p.logprobs is not None for p in params),
-            prompt_logprobs=any(p.prompt_logprobs is not None for p in params),
+            penalties=any(p.uses_penalties for p in special),
+            logprobs=any(p.logprobs is not None for p in special),
+            prompt_logprobs=any(p.prompt_logprobs is not None for p in special),
         )
         pending = self.runner.dispatch(out, self.kv_cache, options, self.grammars.filler(out))
         # While the device computes: bookkeeping that needs the schedule but not the tokens
@@ -423,7 +424,7 @@ class LLMEngine:
         completed = self.scheduler.update_after_step(out)
         for request in completed:
             request.num_pending_tokens += 1
-        needs_host = any(_needs_host_tokens(r) for r in completed)
+        needs_host = bool(special) and any(_needs_host_tokens(r) for r in completed)
         return _Launched(out, completed, pending, needs_host)
 
     def finish_step(self, launched: _Launched) -> list[RequestOutput]:
@@ -436,7 +437,7 @@ class LLMEngine:
         self.counters.num_steps += 1
         if result.expert_counts is not None:
             self._expert_tokens = self._expert_tokens + result.expert_counts
-        self.counters.num_computed_prompt_tokens += _prompt_tokens_run(out)
+        self.counters.num_computed_prompt_tokens += out.num_prompt_tokens
         return earlier + self._postprocess(out, completed, result)
 
     def _postprocess(
@@ -597,13 +598,6 @@ def _usage(parent: _Parent) -> Usage:
         prompt_tokens=len(parent.prompt_token_ids),
         cached_prompt_tokens=parent.children[0].num_cached_tokens,
         output_lengths=tuple(len(c.output_token_ids) for c in parent.children),
-    )
-
-
-def _prompt_tokens_run(out: SchedulerOutput) -> int:
-    return sum(
-        max(0, min(s.start + s.num_new_tokens, len(s.request.prompt_token_ids)) - s.start)
-        for s in out.scheduled
     )
 
 

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from engine import compilation, host_memory, kv_cache
-from engine.batch import BatchBuilder, BatchShapes
+from engine.batch import BatchBuilder, BatchShapes, no_bias
 from engine.compiled_step import CompiledStep, Variant
 from engine.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from engine.errors import XlaserveError
@@ -155,6 +155,9 @@ class ModelRunner:
         )  # fmt: skip
         # i32[C]: the last step's sampled tokens, on the device, for the next step's inputs.
         self._carry = self.put(self.compiled.empty_carry())
+        # S -> `batch.no_bias(S)` on the device: a batch without a logit bias (most) does not
+        # send its two largest inputs again each step.
+        self._no_bias: dict[int, tuple[jax.Array, jax.Array]] = {}
         # Called with each batch before it runs (a multi-process leader sends it to followers).
         self.before_step: Callable[[StepInput, StepOptions], None] | None = None
         # Read by the serving side: how long warm-up took, and the process's XLA compilation
@@ -303,6 +306,7 @@ class ModelRunner:
             self.before_step(batch, options)
         host = dataclasses.replace(batch, token_bitmask=None)  # sent once it is filled
         placed, want_logprobs = self._inputs((host, np.bool_(options.num_top_logprobs > 0)))
+        placed = self._bias_on_device(placed, s)
         lora = None if self.lora is None else LoRAInputs(self.lora.weights, placed.lora_slots)
         carry = TokenCarry(self._carry, placed.token_src)
         out, self.kv_caches = forward(
@@ -320,6 +324,16 @@ class ModelRunner:
             sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs,
             prompt_out, out.expert_counts,
         )  # fmt: skip
+
+    def _bias_on_device(self, batch: StepInput, s: int) -> StepInput:
+        """`batch` with the device's copy of the shared no-bias arrays, if it has them."""
+        if batch.sampling.bias_ids is not no_bias(s)[0]:
+            return batch
+        if s not in self._no_bias:
+            self._no_bias[s] = self.put(no_bias(s))
+        ids, values = self._no_bias[s]
+        sampling = dataclasses.replace(batch.sampling, bias_ids=ids, bias_values=values)
+        return dataclasses.replace(batch, sampling=sampling)
 
     def _inputs(self, tree: Any) -> Any:
         """A step's host inputs as the compiled parts take them: on one device the NumPy arrays

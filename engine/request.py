@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -98,6 +99,17 @@ class SamplingParams:
             self.repetition_penalty != 1
             or self.presence_penalty != 0
             or self.frequency_penalty != 0
+        )
+
+    @functools.cached_property
+    def plain_step(self) -> bool:
+        """Whether a step needs nothing for this request but plain sampling: no penalties,
+        logprobs, prompt logprobs or grammar (read for every sequence of every step)."""
+        return not (
+            self.uses_penalties
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+            or self.structured_outputs is not None
         )
 
     def replace(self, **changes: object) -> SamplingParams:

@@ -62,6 +62,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # prompt tokens the step computes (set by update_after_step)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +74,7 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.running: list[Request] = []  # kept in serving order: priority, then arrival
+        self._running_sorted = True
         self._waiting: list[tuple[int, float, int, Request]] = []  # heap
         self._order = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -128,7 +130,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=_serving_order)
+        if not self._running_sorted:  # removals keep the order; admissions may not
+            self.running.sort(key=_serving_order)
+            self._running_sorted = True
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # pages are short: admit nobody new this step
             self._schedule_waiting(out, budget)
@@ -202,6 +206,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._running_sorted = False
             out.scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
 
@@ -254,11 +259,15 @@ class Scheduler:
             kv.page_size,
             kv.num_committed_pages,
         )
+        num_prompt_tokens = 0
         for s in out.scheduled:
             request = s.request
             computed = s.start + s.num_new_tokens - len(s.draft_token_ids)
             request.num_computed_tokens = computed
-            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            prompt_len = len(request.prompt_token_ids)
+            if s.start < prompt_len:
+                num_prompt_tokens += min(s.start + s.num_new_tokens, prompt_len) - s.start
+            num_tokens = prompt_len + len(request.output_token_ids)
             # A page holding a pending token is hashed by a later step, once the host knows it.
             known = min(computed, num_tokens)
             # Only when it fills a page not in the prefix cache yet, join prompt and output to
@@ -271,6 +280,7 @@ class Scheduler:
                 kv.release_behind_window(request.request_id, computed)
             if computed == num_tokens + request.num_pending_tokens:  # s.completes_sequence
                 completed.append(request)
+        out.num_prompt_tokens = num_prompt_tokens
         return completed
 
     # ---- state -------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from engine.llm_engine import (
     LLMEngine,
     _Launched,
     _Parent,
-    _prompt_tokens_run,
     _record_prompt_logprobs,
 )
 from engine.models.layers import Params
@@ -239,7 +238,7 @@ class SpeculativeEngine(LLMEngine):
         if result.prompt is not None:
             _record_prompt_logprobs(out, result.prompt)
         self.counters.num_steps += 1
-        self.counters.num_computed_prompt_tokens += _prompt_tokens_run(out)
+        self.counters.num_computed_prompt_tokens += out.num_prompt_tokens
         return self._postprocess_runs(out, completed, result)
 
     def _postprocess_runs(

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from engine.batch import BIAS_WIDTH, BatchBuilder, BatchShapes
+from engine.batch import BIAS_WIDTH, BatchBuilder, BatchShapes, no_bias, sampling_tensors
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -147,3 +147,22 @@ def test_batch_equals_the_row_by_row_reference(seed: int) -> None:
     t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
     scheduled = [row.request for row in out.scheduled]
     _check(batch, _reference(out, kv, last, t, s), _reference_sampling(scheduled, s))
+
+
+def test_unbiased_batches_share_read_only_bias_arrays() -> None:
+    """A batch without a logit bias gets the shared no-bias arrays (which the runner keeps on
+    the device); a biased one gets its own, and writing its bias leaves the shared ones as
+    they were, so a later unbiased batch is not biased."""
+    plain = Request("plain", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4), seed=1)
+    biased = Request(
+        "biased", [1, 2], SamplingParams(temperature=0, max_tokens=4, logit_bias={7: 5.0}), seed=2
+    )
+    shared_ids, shared_values = no_bias(4)
+    assert not shared_ids.flags.writeable and not shared_values.flags.writeable
+    unbiased = sampling_tensors([plain], 4, 0)
+    assert unbiased.bias_ids is shared_ids and unbiased.bias_values is shared_values
+    own = sampling_tensors([plain, biased], 4, 0)
+    assert own.bias_ids is not shared_ids and own.bias_values is not shared_values
+    assert own.bias_ids[1, 0] == 7 and own.bias_values[1, 0] == 5.0
+    np.testing.assert_array_equal(shared_ids, np.full((4, BIAS_WIDTH), -1, np.int32))
+    np.testing.assert_array_equal(shared_values, np.zeros((4, BIAS_WIDTH), np.float32))
