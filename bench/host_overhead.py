@@ -19,10 +19,13 @@ the engine's own methods on this one instance; nothing in the engine changes.
 
 Then the same model behind `xlaserve serve` with as many streaming clients as sequences: the
 engine's steps per second there (generated tokens per second over the running count, from
-/metrics, once every client streams) against its offline rate. The clients run in this process
-on the same two cores, as a load generator beside a server does; each streams a completion to
-its end and starts the next (their first requests of staggered lengths, so that requests end
-spread over the steps), and by default reads every byte of every stream over a bare asyncio
+/metrics, once every client streams) against its offline rate on the same requests: an engine
+configured as the server's, the same clients' requests stepped in this process with no server
+(the rows of (a) are not that work: their contexts are shorter and all of one length, and the
+CPU attention's cost follows the longest). The clients run in this process on the same two
+cores, as a load generator beside a server does; each streams a completion to its end and
+starts the next (their first requests of staggered lengths, so that requests end spread over
+the steps), and by default reads every byte of every stream over a bare asyncio
 connection without parsing it (`--load-generator raw`): httpx parsing every SSE line
 (`--load-generator httpx`) takes a large share of the two cores from the server and the engine
 core, which a client on another machine would not. Beside the rates, each process's CPU in the
@@ -85,7 +88,13 @@ PINNED_HEADING = (
     "(c) again with the device on its own core: the host loop's thread pinned to one core, "
     "XLA:CPU's threads to the other"
 )
-MODEL_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
+MODEL_DIMS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+}
 
 
 class PhaseClock:
@@ -203,6 +212,58 @@ def measure(
     return per_step
 
 
+def closed_loop_steps_per_second(model_dir: Path, running: int, steps: int) -> tuple[float, float]:
+    """The served runs' work without the server: an engine configured as `xlaserve serve` is
+    in `served_steps_per_second` (asynchronous scheduling on, as served), `running` clients'
+    requests (the same prompts and lengths, each client's next request added as soon as its
+    last ends) stepped in this process; engine steps per second as the served rows count
+    them (generated tokens over the running count), and the process's CPU milliseconds per
+    step. The decode rows of (a) are not this work: their contexts are shorter and all of one
+    length (the CPU attention's cost follows the longest), and no prefill joins them."""
+    engine = build_engine(
+        EngineConfig(
+            str(model_dir),
+            scheduler=SchedulerConfig(
+                max_num_seqs=running,
+                max_num_batched_tokens=max(running, 32),
+                max_model_len=MODEL_LEN,
+            ),
+            compilation=CompilationConfig(warm_up="lazy"),
+        )
+    )
+    assert isinstance(engine, LLMEngine)
+    freeze_startup_objects()
+    tokenize = engine.tokenizer.encode
+    clients = itertools.count()
+
+    def add(i: int, first: bool) -> None:
+        body = _stream_body(i, running, first)
+        params = SamplingParams(temperature=0, max_tokens=body["max_tokens"], ignore_eos=True)
+        engine.add_request(f"{i}-{next(clients)}", tokenize(body["prompt"]), params)
+
+    def run(num_steps: int) -> int:
+        generated = 0
+        for _ in range(num_steps):
+            for output in engine.step():
+                generated += len(output.outputs[0].token_ids)
+                if output.finished:
+                    add(int(output.request_id.split("-")[0]), first=False)
+        return generated
+
+    for i in range(running):
+        add(i, first=True)
+    while True:  # a window in which nothing compiled (a bucket's first use may)
+        run(STREAM_TOKENS // 2)  # into the steady state: requests end and start every step
+        compiled, start, cpu = compilation.count(), time.perf_counter(), time.process_time()
+        generated = run(steps)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        if compilation.count() == compiled:
+            break
+    engine.close()
+    rate = generated / running / seconds
+    return rate, cpu * 1e3 / (rate * seconds)
+
+
 ENGINE_PLACES = {  # --served-engine: where the served engine runs, and the server's processes
     "core": [],
     "in-process": ["--engine-in-process"],
@@ -225,7 +286,7 @@ def served_steps_per_second(
     command = [
         sys.executable, "-m", "serving.cli", "serve", "--model", str(model_dir),
         "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", str(running),
-        "--max-num-batched-tokens", str(max(running, 32)), "--max-model-len", "512",
+        "--max-num-batched-tokens", str(max(running, 32)), "--max-model-len", str(MODEL_LEN),
         "--warm-up", "eager", "--max-queued-requests", str(running),
         "--compilation-cache-dir", str(baselines.CACHE / "xla-host-overhead"),
         *ENGINE_PLACES[place],
@@ -312,7 +373,7 @@ def cpu_shares(
     return {role: (after[role] - before.get(role, 0.0)) / seconds for role in sorted(after)}
 
 
-STREAM_TOKENS = 200  # each client's requests: short, as the offline sequences' contexts are
+STREAM_TOKENS = 200  # each client's requests, within MODEL_LEN with their prompts
 
 
 def _stream_body(i: int, running: int, first: bool) -> dict[str, Any]:
@@ -384,13 +445,15 @@ def table(rows: dict[int, dict[str, float]]) -> list[str]:
 
 
 def served_table(
-    rows: dict[int, dict[str, float]], served: dict[tuple[str, int], tuple[float, dict[str, float]]]
+    offline: dict[int, tuple[float, float]],
+    served: dict[tuple[str, int], tuple[float, dict[str, float]]],
 ) -> list[str]:
-    """The served rate against the offline one; how busy each process was meanwhile (cores:
-    CPU seconds per second of the load generator, the API server(s) and the engine core); and
-    the CPU milliseconds per engine step of the engine's process offline, of the engine core
-    served and of the API server(s), which, unlike the rates, do not depend much on what else
-    the machine runs."""
+    """The served rate against the offline one on the same requests (`offline`: running ->
+    steps per second and CPU ms per step, `closed_loop_steps_per_second`); how busy each
+    process was meanwhile (cores: CPU seconds per second of the load generator, the API
+    server(s) and the engine core); and the CPU milliseconds per engine step of the engine's
+    process offline, of the engine core served and of the API server(s), which, unlike the
+    rates, do not depend much on what else the machine runs."""
     lines = [
         "| streaming clients | engine | offline steps/s | served steps/s | served / offline "
         "| cores: load generator | API server | engine core | CPU ms/step: offline "
@@ -398,12 +461,12 @@ def served_table(
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (place, running), (steps, cpu) in served.items():
-        offline = 1e3 / rows[running]["step"]
+        rate, offline_cpu = offline[running]
         cores = " | ".join(f"{cpu.get(role, 0.0):.2f}" for role in ("bench", "api", "core"))
         per_step = " | ".join(f"{cpu.get(role, 0.0) * 1e3 / steps:.2f}" for role in ("core", "api"))
         lines.append(
-            f"| {running} | {place} | {offline:.1f} | {steps:.1f} | {steps / offline:.2f} "
-            f"| {cores} | {rows[running]['cpu']:.2f} | {per_step} |"
+            f"| {running} | {place} | {rate:.1f} | {steps:.1f} | {steps / rate:.2f} "
+            f"| {cores} | {offline_cpu:.2f} | {per_step} |"
         )
     return lines
 
@@ -535,6 +598,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     for mode in (False, True)
                 }
     engine.close()
+    offline = {n: closed_loop_steps_per_second(model_dir, n, args.steps * 4) for n in args.served}
     served = {
         (place, n): served_steps_per_second(
             model_dir, n, args.port, args.window, model_dir, place, args.load_generator
@@ -558,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             *(async_table(pinned[False], pinned[True]) if pinned else []),
             "",
             *_target_line(rows, asynchronous, pinned),
-            *(["", *served_table(asynchronous or rows, served)] if served else []),
+            *(["", *served_table(offline, served)] if served else []),
         ]
     )
     print(text)

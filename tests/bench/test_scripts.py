@@ -65,6 +65,18 @@ def test_host_overhead_smoke() -> None:
     assert "| running seqs | sync steps/s | async steps/s |" in out
 
 
+def test_host_overhead_closed_loop_smoke() -> None:
+    """The offline rate the served rows are compared with: the served clients' requests
+    stepped without a server, new requests joining as others end."""
+    out = run_bench(
+        "-c",
+        "from bench import host_overhead as h; "
+        "print(h.closed_loop_steps_per_second(h.write_checkpoint(), 4, 8))",
+    )
+    rate, cpu_ms = (float(x) for x in out.strip().splitlines()[-1].strip("()").split(","))
+    assert rate > 0 and cpu_ms > 0, out[-2000:]
+
+
 def test_step_breakdown_smoke() -> None:
     """bench/step_breakdown.py's three builds (as is, and each stand-in) on a tiny model."""
     out = run_bench(str(ROOT / "bench" / "step_breakdown.py"), "--smoke")
