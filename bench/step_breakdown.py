@@ -93,7 +93,7 @@ def variant(name: str) -> Iterator[None]:
 
 
 def build(model: Path, running: int, args: argparse.Namespace) -> LLMEngine:
-    context = args.prompt_len + _max_tokens(args)
+    context = args.prompt_len + _max_tokens(args, running)
     engine = build_engine(
         EngineConfig(
             str(model),
@@ -102,7 +102,9 @@ def build(model: Path, running: int, args: argparse.Namespace) -> LLMEngine:
                 num_pages=running * (-(-context // 16) + 1) + 16, enable_prefix_caching=False
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=running, max_num_batched_tokens=512, max_model_len=context + 16
+                max_num_seqs=running,
+                max_num_batched_tokens=PREFILL_CHUNK,
+                max_model_len=context + 16,
             ),
             compilation=CompilationConfig(warm_up="lazy"),
         )
@@ -112,9 +114,15 @@ def build(model: Path, running: int, args: argparse.Namespace) -> LLMEngine:
     return engine
 
 
-def _max_tokens(args: argparse.Namespace) -> int:
-    """What each sequence generates: the warm-up steps and every timed window, with room."""
-    return args.warm_steps + args.steps * args.repeats + 4
+PREFILL_CHUNK = 512  # max_num_batched_tokens
+
+
+def _max_tokens(args: argparse.Namespace, running: int) -> int:
+    """What each sequence generates: a token a step while the others' prompts are prefilled
+    (a sequence whose prefill ends first decodes meanwhile), the warm-up steps and every timed
+    window, with room, so that all `running` sequences decode through every window."""
+    prefill_steps = -(-running * args.prompt_len // PREFILL_CHUNK)
+    return prefill_steps + args.warm_steps + args.steps * args.repeats + 4
 
 
 def measure(engine: LLMEngine, running: int, args: argparse.Namespace) -> dict[str, float]:
@@ -123,11 +131,12 @@ def measure(engine: LLMEngine, running: int, args: argparse.Namespace) -> dict[s
     clock = instrument(engine)
     rng = np.random.default_rng(0)
     vocab = engine.model_info().vocab_size
-    params = SamplingParams(temperature=0, max_tokens=_max_tokens(args), ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=_max_tokens(args, running), ignore_eos=True)
     for i in range(running):
         prompt = rng.integers(4, vocab - 4, args.prompt_len).tolist()
         engine.add_request(f"r{running}-{i}", prompt, params)
-    while engine.stats().num_computed_prompt_tokens < running * args.prompt_len:
+    prefilled = engine.stats().num_computed_prompt_tokens + running * args.prompt_len
+    while engine.stats().num_computed_prompt_tokens < prefilled:  # the counter spans sizes
         engine.step()
     for _ in range(args.warm_steps):
         engine.step()
