@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from engine.errors import XlaserveError
 from engine.protocol import Engine
 from engine.request import RequestOutput, SamplingParams
-from serving.collector import OutputCollector
+from serving.collector import OutputCollector, merge_outputs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,7 +124,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             await asyncio.wrap_future(self.engine.compile_grammar(params.structured_outputs))
         loop = asyncio.get_running_loop()
-        stream = OutputCollector(loop)
+        stream: OutputCollector[RequestOutput] = OutputCollector(loop, merge_outputs)
         accepted: asyncio.Future[None] = loop.create_future()
         self._admissions.add(accepted)
         accepted.add_done_callback(self._admissions.discard)

@@ -45,6 +45,7 @@ from serving.collector import OutputCollector
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Delta = RequestOutput | wire.CompactOutput  # an output as it crosses from the core
 STOP_SLACK_S = 30.0  # what the core gets beyond its drain time to close the engine and exit
 
 
@@ -69,7 +70,7 @@ class EngineCoreClient:
         self._process = process
         self._step_timeout = step_timeout
         self._lock = threading.Lock()
-        self._streams: dict[str, OutputCollector] = {}
+        self._streams: dict[str, OutputCollector[Delta]] = {}
         self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
         self._status: wire.CoreStatus | None = None
@@ -137,7 +138,7 @@ class EngineCoreClient:
         health = self.health()
         if not health.ok:
             raise EngineDeadError(f"engine is not serving: {health.reason}")
-        stream = OutputCollector(asyncio.get_running_loop())
+        stream: OutputCollector[Delta] = OutputCollector(asyncio.get_running_loop(), wire.merge)
         with self._lock:
             if self._dead:
                 raise EngineDeadError(f"engine is not serving: {self._dead}")
@@ -263,22 +264,23 @@ class EngineCoreClient:
         elif kind == wire.REPLY:
             self._answer(*message[1:])
 
-    def _deliver(self, items: list[RequestOutput | wire.CompactOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputCollector, RequestOutput]]] = {}
+    def _deliver(self, items: list[Delta]) -> None:
+        """Hands each delta, as it crossed, to its stream (which merges what waits for it)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputCollector[Delta], Delta]]] = {}
         with self._lock:
             self._heard = time.monotonic()
             for item in items:
-                output = wire.expand(item)
-                stream = self._streams.get(output.request_id)
+                request_id = wire.request_id(item)
+                stream = self._streams.get(request_id)
                 if stream is None:
                     continue  # aborted meanwhile
-                if output.finished:
-                    del self._streams[output.request_id]
-                by_loop.setdefault(stream.loop, []).append((stream, output))
+                if wire.finished(item):
+                    del self._streams[request_id]
+                by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, deliveries in by_loop.items():
             if not _call_soon(loop, _put_all, deliveries):
-                for _, output in deliveries:  # nobody is left to listen
-                    self.abort(output.request_id)
+                for _, item in deliveries:  # nobody is left to listen
+                    self.abort(wire.request_id(item))
 
     def _answer(self, call_id: int, error: BaseException | None, value: Any) -> None:
         with self._lock:
@@ -368,9 +370,9 @@ class RemoteEngine:
         pass  # the client's shutdown ends the core
 
 
-def _put_all(deliveries: list[tuple[OutputCollector, RequestOutput]]) -> None:
-    for stream, output in deliveries:
-        stream.put(output)
+def _put_all(deliveries: list[tuple[OutputCollector[Delta], Delta]]) -> None:
+    for stream, item in deliveries:
+        stream.put(item)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> bool:

@@ -27,12 +27,14 @@ Core -> client:
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.protocol import EngineStats, Health
 from engine.request import CompletionOutput, RequestOutput
+from serving.collector import merge_outputs
 
 ADD, ABORT, CALL, STOP = "add", "abort", "call", "stop"
 HELLO, FAILED, OUTPUTS, REFUSED, REPLY, STATUS = "hello", "failed", "out", "refused", "reply", "st"
@@ -88,3 +90,28 @@ def expand(item: RequestOutput | CompactOutput) -> RequestOutput:
         return item
     request_id, choices = item
     return RequestOutput(request_id, [CompletionOutput(*c) for c in choices], finished=False)
+
+
+def request_id(item: RequestOutput | CompactOutput) -> str:
+    return item.request_id if isinstance(item, RequestOutput) else item[0]
+
+
+def finished(item: RequestOutput | CompactOutput) -> bool:
+    return isinstance(item, RequestOutput) and item.finished
+
+
+def merge(items: Sequence[RequestOutput | CompactOutput]) -> RequestOutput:
+    """Consecutive deltas of one request, as they crossed, as one output
+    (`serving.collector.merge_outputs`): a run of compact deltas (what a stream that fell
+    behind has waiting) joins without making an output of each."""
+    compact = [item for item in items if isinstance(item, tuple)]
+    if len(items) == 1 or len(compact) < len(items):
+        return merge_outputs([expand(item) for item in items])
+    texts: dict[int, list[str]] = {}
+    tokens: dict[int, list[int]] = {}
+    for _, choices in compact:
+        for index, text, token_ids in choices:
+            texts.setdefault(index, []).append(text)
+            tokens.setdefault(index, []).extend(token_ids)
+    outputs = [CompletionOutput(i, "".join(t), tokens[i]) for i, t in texts.items()]
+    return RequestOutput(request_id(items[0]), outputs, finished=False)

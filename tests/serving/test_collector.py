@@ -65,10 +65,7 @@ def test_merged_chunks_join_to_the_whole_output(cut: tuple[int, ...]) -> None:
     for start, end in itertools.pairwise(bounds):
         if start == end:
             continue
-        merged = steps[start]
-        for later in steps[start + 1 : end]:
-            merged = merge_outputs(merged, later)
-        chunks.append(merged)
+        chunks.append(merge_outputs(steps[start:end]))
     assert _joined(chunks) == _joined(steps)
     for chunk in chunks:
         for choice in chunk.outputs:
@@ -77,7 +74,7 @@ def test_merged_chunks_join_to_the_whole_output(cut: tuple[int, ...]) -> None:
 
 def test_a_consumer_behind_takes_what_arrived_as_one_output() -> None:
     async def main() -> list[RequestOutput]:
-        collector = OutputCollector(asyncio.get_running_loop())
+        collector = OutputCollector(asyncio.get_running_loop(), merge_outputs)
         steps = _script()
         for output in steps[:3]:
             collector.put(output)
@@ -176,3 +173,27 @@ def test_the_core_client_merges_for_a_slow_consumer() -> None:
         client.shutdown()
         core.close()
     _check_chunks(chunks, _joined(steps))
+
+
+def test_compact_deltas_merge_as_their_outputs_do() -> None:
+    """A run of deltas as they cross from the engine core (plain running deltas as tuples,
+    others as outputs) merges to what the same deltas as outputs merge to."""
+    plain = [
+        RequestOutput("r", [CompletionOutput(0, "a", [1]), CompletionOutput(1, "x", [7])], False),
+        RequestOutput("r", [CompletionOutput(1, "yz", [8, 9])], False),
+        RequestOutput("r", [CompletionOutput(0, "", [2])], False),
+        RequestOutput("r", [CompletionOutput(0, "bc", [3]), CompletionOutput(1, "", [])], False),
+    ]
+    crossed = [wire.compact(o) for o in plain]
+    assert all(isinstance(c, tuple) for c in crossed)
+    for run in (crossed[:1], crossed, crossed[1:3]):
+        expanded = [wire.expand(c) for c in run]
+        assert wire.merge(run) == merge_outputs(expanded)
+    usage = Usage(2, 0, (3, 3))
+    end = RequestOutput("r", [CompletionOutput(0, "d", [4], "stop")], True, usage=usage)
+    mixed = [*crossed, wire.compact(end)]
+    assert mixed[-1] is end
+    merged = wire.merge(mixed)
+    assert merged == merge_outputs([*plain, end])
+    assert merged.outputs[0].text == "abcd" and merged.outputs[0].token_ids == [1, 2, 3, 4]
+    assert merged.outputs[1].text == "xyz" and merged.finished and merged.usage == usage
