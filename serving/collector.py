@@ -1,8 +1,8 @@
 """One request's outputs on their way from the engine loop to the coroutine that streams them
 (vLLM's RequestOutputCollector): while that consumer is behind, the deltas that arrive wait,
 and it takes them all as one merged output (one SSE event, one JSON dump, one write for the
-client to parse) instead of one output per step. They are merged once, when taken: a delta
-costs the thread that delivers it a list append, however far behind its consumer is.
+client to parse) instead of one output per step. They are merged once, when taken: an
+arriving delta costs a list append, however far behind its consumer is.
 
 Under load this is what keeps an API server from falling further behind the engine: the work
 per stream per turn of the event loop stays one item however many steps passed. A consumer
