@@ -234,12 +234,15 @@ def closed_loop_steps_per_second(model_dir: Path, running: int, steps: int) -> t
     assert isinstance(engine, LLMEngine)
     freeze_startup_objects()
     tokenize = engine.tokenizer.encode
-    clients = itertools.count()
+    request_ids = itertools.count()
+    client_of: dict[str, int] = {}  # request id -> the client that sent it
 
     def add(i: int, first: bool) -> None:
         body = _stream_body(i, running, first)
         params = SamplingParams(temperature=0, max_tokens=body["max_tokens"], ignore_eos=True)
-        engine.add_request(f"{i}-{next(clients)}", tokenize(body["prompt"]), params)
+        request_id = str(next(request_ids))
+        client_of[request_id] = i
+        engine.add_request(request_id, tokenize(body["prompt"]), params)
 
     def run(num_steps: int) -> int:
         generated = 0
@@ -247,7 +250,7 @@ def closed_loop_steps_per_second(model_dir: Path, running: int, steps: int) -> t
             for output in engine.step():
                 generated += len(output.outputs[0].token_ids)
                 if output.finished:
-                    add(int(output.request_id.split("-")[0]), first=False)
+                    add(client_of.pop(output.request_id), first=False)
         return generated
 
     for i in range(running):

@@ -104,8 +104,10 @@ def merge(items: Sequence[RequestOutput | CompactOutput]) -> RequestOutput:
     """Consecutive deltas of one request, as they crossed, as one output
     (`serving.collector.merge_outputs`): a run of compact deltas (what a stream that fell
     behind has waiting) joins without making an output of each."""
+    if len(items) == 1:  # a consumer that keeps up
+        return expand(items[0])
     compact = [item for item in items if isinstance(item, tuple)]
-    if len(items) == 1 or len(compact) < len(items):
+    if len(compact) < len(items):
         return merge_outputs([expand(item) for item in items])
     texts: dict[int, list[str]] = {}
     tokens: dict[int, list[int]] = {}
