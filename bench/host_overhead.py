@@ -32,7 +32,9 @@ core, which a client on another machine would not. Beside the rates, each proces
 window (from /proc: this process, the API server(s), the engine core) and the CPU milliseconds
 per step of the engine offline, of the engine core and of the API server served; the rates
 depend on what else runs on the machine, the CPU per step much less. For a profile of the
-served engine core, set XLASERVE_PROFILE_CORE (serving/engine_core.py).
+served engine core, set XLASERVE_PROFILE_CORE (serving/engine_core.py). Each served row runs
+with every `--stream-interval` given (default 1, each token sent as it comes, and 8, SGLang's
+option of sending a stream's tokens in chunks after its first), offline configured the same.
 
 (c) The sizes above with asynchronous scheduling off and on, side by side: steps per second,
 and the asynchronous loop's own phases (its `wait` is what the device step did not hide).
@@ -212,7 +214,9 @@ def measure(
     return per_step
 
 
-def closed_loop_steps_per_second(model_dir: Path, running: int, steps: int) -> tuple[float, float]:
+def closed_loop_steps_per_second(
+    model_dir: Path, running: int, steps: int, stream_interval: int = 1
+) -> tuple[float, float]:
     """The served runs' work without the server: an engine configured as `xlaserve serve` is
     in `served_steps_per_second` (asynchronous scheduling on, as served), `running` clients'
     requests (the same prompts and lengths, each client's next request added as soon as its
@@ -227,6 +231,7 @@ def closed_loop_steps_per_second(model_dir: Path, running: int, steps: int) -> t
                 max_num_seqs=running,
                 max_num_batched_tokens=max(running, 32),
                 max_model_len=MODEL_LEN,
+                stream_interval=stream_interval,
             ),
             compilation=CompilationConfig(warm_up="lazy"),
         )
@@ -282,6 +287,7 @@ def served_steps_per_second(
     log_dir: Path,
     place: str = "core",
     load_generator: str = "raw",
+    stream_interval: int = 1,
 ) -> tuple[float, dict[str, float]]:
     """Engine steps per second behind the HTTP server while `running` clients stream, with
     the engine in its own process (`core`) or on a thread of the server's (`in-process`), and
@@ -292,10 +298,10 @@ def served_steps_per_second(
         "--max-num-batched-tokens", str(max(running, 32)), "--max-model-len", str(MODEL_LEN),
         "--warm-up", "eager", "--max-queued-requests", str(running),
         "--compilation-cache-dir", str(baselines.CACHE / "xla-host-overhead"),
-        *ENGINE_PLACES[place],
+        "--stream-interval", str(stream_interval), *ENGINE_PLACES[place],
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    log = log_dir / f"host-overhead-serve-{place}-{running}.log"
+    log = log_dir / f"host-overhead-serve-{place}-{running}-{stream_interval}.log"
     with baselines.server_process(command, url + "/health", log, timeout=1800):
         return asyncio.run(_stream_and_sample(url, running, window, load_generator))
 
@@ -448,30 +454,38 @@ def table(rows: dict[int, dict[str, float]]) -> list[str]:
 
 
 def served_table(
-    offline: dict[int, tuple[float, float]],
-    served: dict[tuple[str, int], tuple[float, dict[str, float]]],
+    offline: dict[tuple[int, int], tuple[float, float]],
+    served: dict[tuple[str, int, int], tuple[float, dict[str, float]]],
 ) -> list[str]:
-    """The served rate against the offline one on the same requests (`offline`: running ->
-    steps per second and CPU ms per step, `closed_loop_steps_per_second`); how busy each
+    """The served rate against the offline one on the same requests (`offline`: (running,
+    stream interval) -> steps per second and CPU ms per step, `closed_loop_steps_per_second`;
+    `served`: keyed by (engine place, running, stream interval)); how busy each
     process was meanwhile (cores: CPU seconds per second of the load generator, the API
     server(s) and the engine core); and the CPU milliseconds per engine step of the engine's
     process offline, of the engine core served and of the API server(s), which, unlike the
     rates, do not depend much on what else the machine runs."""
     lines = [
-        "| streaming clients | engine | offline steps/s | served steps/s | served / offline "
-        "| cores: load generator | API server | engine core | CPU ms/step: offline "
-        "| engine core | API server |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| streaming clients | stream interval | engine | offline steps/s | served steps/s "
+        "| served / offline | cores: load generator | API server | engine core "
+        "| CPU ms/step: offline | engine core | API server |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (place, running), (steps, cpu) in served.items():
-        rate, offline_cpu = offline[running]
+    for (place, running, interval), (steps, cpu) in served.items():
+        rate, offline_cpu = offline[running, interval]
         cores = " | ".join(f"{cpu.get(role, 0.0):.2f}" for role in ("bench", "api", "core"))
         per_step = " | ".join(f"{cpu.get(role, 0.0) * 1e3 / steps:.2f}" for role in ("core", "api"))
         lines.append(
-            f"| {running} | {place} | {rate:.1f} | {steps:.1f} | {steps / rate:.2f} "
+            f"| {running} | {interval} | {place} | {rate:.1f} | {steps:.1f} | {steps / rate:.2f} "
             f"| {cores} | {offline_cpu:.2f} | {per_step} |"
         )
-    return lines
+    targets = [
+        f"- served / offline at 256 streaming clients, engine {place}, stream interval "
+        f"{interval}: {steps / offline[256, interval][0]:.2f} (target 0.8: "
+        f"{'met' if steps >= 0.8 * offline[256, interval][0] else 'NOT met'})"
+        for (place, running, interval), (steps, _) in served.items()
+        if running == 256
+    ]
+    return [*lines, *([""] if targets else []), *targets]
 
 
 def async_table(
@@ -541,6 +555,14 @@ def parser() -> argparse.ArgumentParser:
         "(in-process); each is measured, side by side",
     )
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        nargs="+",
+        default=[1, 8],
+        help="the served rows with each of these `xlaserve serve --stream-interval` values (a "
+        "stream's tokens sent k at a time after its first), offline configured the same",
+    )
+    p.add_argument(
         "--async-scheduling",
         choices=["both", "on", "off"],
         default="both",
@@ -601,12 +623,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     for mode in (False, True)
                 }
     engine.close()
-    offline = {n: closed_loop_steps_per_second(model_dir, n, args.steps * 4) for n in args.served}
+    offline = {
+        (n, k): closed_loop_steps_per_second(model_dir, n, args.steps * 4, k)
+        for n in args.served
+        for k in args.stream_interval
+    }
     served = {
-        (place, n): served_steps_per_second(
-            model_dir, n, args.port, args.window, model_dir, place, args.load_generator
+        (place, n, k): served_steps_per_second(
+            model_dir, n, args.port, args.window, model_dir, place, args.load_generator, k
         )
         for n in args.served
+        for k in args.stream_interval
         for place in args.served_engine
     }
     command = "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -191,15 +191,20 @@ class SchedulerConfig:
     `max_num_batched_tokens` tokens; `max_model_len` bounds prompt + output (None: the
     model's, at most DEFAULT_MAX_MODEL_LEN; see `resolve`). `async_scheduling`: step n+1 is
     scheduled and dispatched while step n runs, its sampled tokens fed to it on the device
-    (engine/llm_engine.py); off: each step waits for the one before it."""
+    (engine/llm_engine.py); off: each step waits for the one before it. `stream_interval`
+    (SGLang's --stream-interval): a running sequence hands out its first token at once, then
+    its new tokens and text once that many have gathered, and the rest when it finishes; 1
+    hands out every token as it comes, larger values cut the per-token work of every layer
+    above the engine (the engine-core wire, the API server, its streams) by that factor."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     async_scheduling: bool = True
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "stream_interval"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -42,7 +42,7 @@ from engine.kv_cache import KVCacheManager, describe_kv_cache
 from engine.lora import LoRAError, LoRARegistry
 from engine.model_runner import ModelRunner
 from engine.models.layers import Params
-from engine.output_processor import SequenceOutput, StopDecision
+from engine.output_processor import HELD, SequenceOutput, StopDecision
 from engine.protocol import Engine, EngineStats, Health, ModelInfo
 from engine.request import (
     CompletionOutput,
@@ -195,6 +195,8 @@ class LLMEngine:
         self._on_close: list[Callable[[], None]] = []
         # Asynchronous scheduling (a switch tests flip between steps): the step in flight.
         self.async_scheduling = self.scheduler_config.async_scheduling
+        # SchedulerConfig.stream_interval, for the requests added from now on (a switch too).
+        self.stream_interval = self.scheduler_config.stream_interval
         self._in_flight: _Launched | None = None
         if warm_up:
             seconds = self.runner.warm_up()
@@ -297,7 +299,11 @@ class LLMEngine:
             raise
         outputs = [
             SequenceOutput(
-                self.tokenizer, params, self.scheduler_config.model_len, self._detokenizers
+                self.tokenizer,
+                params,
+                self.scheduler_config.model_len,
+                self._detokenizers,
+                self.stream_interval,
             )
             for _ in children
         ]
@@ -444,9 +450,10 @@ class LLMEngine:
         self, out: SchedulerOutput, completed: list[Request], result: StepOutput
     ) -> list[RequestOutput]:
         """Records each completed request's sampled token; returns the requests' deltas, in the
-        order they first progressed. A plain sequence's token that neither stops it nor reaches
-        its length (most tokens) takes a fast path: one call appends, detokenizes and makes its
-        delta, as `_record_token` then `_request_output` would."""
+        order they first progressed (a choice's delta waits while it is not `due`:
+        SchedulerConfig.stream_interval). A plain sequence's token that neither stops it nor
+        reaches its length (most tokens) takes a fast path: one call appends, detokenizes and
+        makes its delta, as `_record_token` then `_request_output` would."""
         tokens = result.token_ids.tolist()  # one conversion, not a NumPy scalar per sequence
         rows: Sequence[int]
         if len(completed) == len(out.scheduled):  # every row counts (decodes): completed[i]'s
@@ -469,12 +476,15 @@ class LLMEngine:
                 delta = parent.outputs[0].fast_delta(request, token)
                 if delta is not None:  # recorded; None: it may stop here (the general path)
                     request.first_token_time = request.first_token_time or now
-                    deltas.append(_fast_output(parent, request, delta))
+                    if delta is not HELD:
+                        deltas.append(_fast_output(parent, request, delta))
                     num_fast += 1
                     continue
             k = request.sampling_params.logprobs
             entry = None if k is None else _logprob_entry(result, i, k)
-            parent, index, _ = self._record_token(request, token, entry, now)
+            parent, index, done = self._record_token(request, token, entry, now)
+            if not (done or parent.outputs[index].due(request)):
+                continue
             indices = progressed.get(parent.request_id)
             if indices is None:
                 progressed[parent.request_id] = [index]

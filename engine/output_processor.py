@@ -23,6 +23,10 @@ class StopDecision:
     stop_reason: int | str | None = None
 
 
+# `SequenceOutput.fast_delta`'s answer for a token it recorded whose delta is not due yet.
+HELD = CompletionOutput(0, "", [])
+
+
 class SequenceOutput:
     """One sequence's stop checks, and what of it has not been handed out yet."""
 
@@ -32,10 +36,12 @@ class SequenceOutput:
         params: SamplingParams,
         max_model_len: int,
         detokenizers: Detokenizers | None = None,
+        stream_interval: int = 1,
     ):
         """`detokenizers`: the engine's, which share what they learn of each token's text
-        (None: a detokenizer of this sequence's own)."""
+        (None: a detokenizer of this sequence's own). `stream_interval`: see `due`."""
         self._params = params
+        self._interval = stream_interval
         self._eos = frozenset(() if params.ignore_eos else tokenizer.eos_token_ids)
         self._stop_ids = frozenset(params.stop_token_ids)
         self._stopping = self._eos | self._stop_ids  # ids that stop it once min_tokens is reached
@@ -82,12 +88,20 @@ class SequenceOutput:
             return StopDecision(FinishReason.LENGTH)
         return None
 
+    def due(self, request: Request) -> bool:
+        """Whether the sequence hands out what it gained this step: its first token at once,
+        then each time `stream_interval` tokens have gathered unsent (SGLang's
+        --stream-interval; 1: every token). A sequence that finished always does (the caller's
+        check)."""
+        sent = self._num_sent_tokens
+        return not sent or len(request.output_token_ids) - sent >= self._interval
+
     def fast_delta(self, request: Request, token: int) -> CompletionOutput | None:
         """For the only sequence of a request without stop strings or logprobs: `token`
-        appended to request.output_token_ids, then `append` and `take_delta(request, 0)` in
-        one, for a token that neither may stop the sequence nor reaches its length (most
-        tokens). None for any other token, with nothing recorded: the caller takes the general
-        path."""
+        appended to request.output_token_ids, then `append` and, when `due`,
+        `take_delta(request, 0)` in one (HELD when not due), for a token that neither may stop
+        the sequence nor reaches its length (most tokens). None for any other token, with
+        nothing recorded: the caller takes the general path."""
         ids = request.output_token_ids
         num_out = len(ids) + 1
         if (
@@ -97,8 +111,12 @@ class SequenceOutput:
         ):
             return None
         ids.append(token)
+        start = self._num_sent_tokens
+        if start and num_out - start < self._interval:
+            self._unsent += self._detokenizer.add(token)
+            return HELD
         text, self._unsent = self._unsent + self._detokenizer.add(token), ""
-        start, self._num_sent_tokens = self._num_sent_tokens, num_out
+        self._num_sent_tokens = num_out
         return CompletionOutput(0, text, ids[start:])
 
     def grammar_done(self) -> StopDecision:

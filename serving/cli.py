@@ -149,6 +149,13 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "sampled tokens on the device (--no-async-scheduling: each step waits for the last)",
     )
     serve.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        help="a stream's first token is sent at once, then its tokens in chunks of this many "
+        "(and the rest when it ends); above 1, the server's per-token work drops by that factor",
+    )
+    serve.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
         default=None,
@@ -391,6 +398,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             async_scheduling=args.async_scheduling,
+            stream_interval=args.stream_interval,
         ),
         parallel=lambda: ParallelConfig(
             _layout(args),

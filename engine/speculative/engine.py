@@ -262,6 +262,8 @@ class SpeculativeEngine(LLMEngine):
             parent, index = self._child_parent.get(request.request_id, (None, 0))
             if parent is None:  # every token of it was recorded and the request is gone
                 continue
+            if not (finished or parent.outputs[index].due(request)):
+                continue
             progressed.setdefault(parent.request_id, (parent, []))[1].append(index)
         return [self._request_output(p, indices) for p, indices in progressed.values()]
 

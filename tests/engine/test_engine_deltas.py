@@ -210,3 +210,46 @@ def test_a_long_answer_is_handed_out_once(tiny, long_engine: LLMEngine) -> None:
     assert num_ids == LONG and len(text) >= LONG // 4  # at most 4 bytes a character
     assert sent == len(text)
     assert handed == len(text) + LONG  # each character and token once
+
+
+@pytest.fixture
+def interval(engine: LLMEngine):
+    """Sets the engine's stream interval for the test's requests, then puts it back."""
+
+    def set_to(k: int) -> None:
+        engine.stream_interval = k
+
+    yield set_to
+    engine.stream_interval = 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        greedy(30),  # the fast path
+        greedy(13, n=2, logprobs=1),  # the general path, choices together
+        SamplingParams(n=2, seed=3, max_tokens=21, ignore_eos=True, stop=("q",)),  # holdback
+    ],
+    ids=["plain", "n2-logprobs", "seeded-stop"],
+)
+@pytest.mark.parametrize("k", [3, 4])
+def test_a_stream_interval_gathers_tokens_into_fewer_deltas(
+    engine: LLMEngine, interval, params: SamplingParams, k: int
+) -> None:
+    """With stream_interval k a choice's first token comes alone, then its tokens k at a time,
+    then the rest with its finish; joined, the deltas equal a run that hands out every token
+    (text, tokens, logprobs, finish), and the prompt and usage still come once each."""
+    want = run(engine, params)
+    interval(k)
+    got = run(engine, params)
+    assert (got.text, got.token_ids, got.finish) == (want.text, want.token_ids, want.finish)
+    assert got.logprobs == want.logprobs
+    assert got.outputs[0].prompt_token_ids == PROMPT
+    assert all(o.prompt_token_ids is None for o in got.outputs[1:])
+    assert [o.usage is not None for o in got.outputs] == [False] * (len(got.outputs) - 1) + [True]
+    for index, ids in want.token_ids.items():
+        sizes = [len(c.token_ids) for o in got.outputs for c in o.outputs if c.index == index]
+        first, *middle, last = sizes
+        assert first == 1 and middle == [k] * len(middle) and 1 <= last <= k, sizes
+        assert sum(sizes) == len(ids)
+    assert len(got.outputs) < len(want.outputs)

@@ -449,3 +449,32 @@ def test_draft_model_greedy_equals_plain_greedy(
     assert spec.stats().spec_decode_num_draft_tokens > 0
     assert_idle(spec)
     spec.close()
+
+
+def test_a_stream_interval_gathers_accepted_runs(spec3, engine: LLMEngine):
+    """stream_interval 4 with speculation, whose steps add up to k + 1 tokens: after the
+    first token, a choice's deltas hold at least 4 tokens each but the last, and they join to
+    the plain engine's answer."""
+    batch = prompts(11, 2)
+    params = [SamplingParams(temperature=0, max_tokens=30, n=2, logprobs=1)] * 2
+    want = run(engine, batch, params)
+    spec3.stream_interval = 4
+    try:
+        ids = [f"interval{i}-{random.random()}" for i in range(len(batch))]
+        for request_id, prompt, p in zip(ids, batch, params, strict=True):
+            spec3.add_request(request_id, prompt, p)
+        deltas: dict[str, list] = {request_id: [] for request_id in ids}
+        while spec3.has_unfinished_requests():
+            for output in spec3.step():
+                deltas[output.request_id].append(output)
+    finally:
+        spec3.stream_interval = 1
+    for request_id, whole in zip(ids, want, strict=True):
+        for choice in whole.outputs:
+            mine = [c for o in deltas[request_id] for c in o.outputs if c.index == choice.index]
+            assert [t for c in mine for t in c.token_ids] == choice.token_ids
+            assert "".join(c.text for c in mine) == choice.text
+            first, *middle, last = [len(c.token_ids) for c in mine]
+            assert first == 1 and all(size >= 4 for size in middle), (first, middle, last)
+            assert last >= 1 and mine[-1].finish_reason == choice.finish_reason
+    assert_idle(spec3)

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from engine.config import ParallelConfig
+from engine.config import ParallelConfig, SchedulerConfig
 from serving.cli import _parser, parse_bytes
 
 
@@ -73,3 +73,15 @@ def test_expert_dispatch_flag() -> None:
         _parser().parse_args(["serve", "--expert-dispatch", "ragged"])
     with pytest.raises(ValueError, match="expert dispatch must be one of allgather, all_to_all"):
         ParallelConfig(expert_dispatch="ragged")
+
+
+def test_stream_interval_flag() -> None:
+    from serving.cli import serve_config
+
+    assert serve_config(_parser().parse_args(["serve"])).scheduler.stream_interval == 1
+    args = _parser().parse_args(["serve", "--stream-interval", "8"])
+    assert serve_config(args).scheduler.stream_interval == 8
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--stream-interval", "0"])
+    with pytest.raises(ValueError, match="stream_interval must be >= 1, got 0"):
+        SchedulerConfig(stream_interval=0)
