@@ -35,6 +35,10 @@ depend on what else runs on the machine, the CPU per step much less. For a profi
 served engine core, set XLASERVE_PROFILE_CORE (serving/engine_core.py). Each served row runs
 with every `--stream-interval` given (default 1, each token sent as it comes, and 8, SGLang's
 option of sending a stream's tokens in chunks after its first), offline configured the same.
+With `--cores isolated` as well, the served rows run again with the engine core process on a
+core of its own and the API server and the load generator on the other, and the offline engine
+on that one core too: the process boundary's own cost, without the two cores' contention
+(a server host has cores to spare beside its accelerator; this VM has two).
 
 (c) The sizes above with asynchronous scheduling off and on, side by side: steps per second,
 and the asynchronous loop's own phases (its `wait` is what the device step did not hide).
@@ -215,7 +219,7 @@ def measure(
 
 
 def closed_loop_steps_per_second(
-    model_dir: Path, running: int, steps: int, stream_interval: int = 1
+    model_dir: Path, running: int, steps: int, stream_interval: int = 1, cores: str = "shared"
 ) -> tuple[float, float]:
     """The served runs' work without the server: an engine configured as `xlaserve serve` is
     in `served_steps_per_second` (asynchronous scheduling on, as served), `running` clients'
@@ -260,13 +264,16 @@ def closed_loop_steps_per_second(
 
     for i in range(running):
         add(i, first=True)
-    while True:  # a window in which nothing compiled (a bucket's first use may)
-        run(STREAM_TOKENS // 2)  # into the steady state: requests end and start every step
-        compiled, start, cpu = compilation.count(), time.perf_counter(), time.process_time()
-        generated = run(steps)
-        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-        if compilation.count() == compiled:
-            break
+    with contextlib.ExitStack() as placement:
+        if cores == "isolated":
+            placement.enter_context(engine_on_its_own_core(served=False))
+        while True:  # a window in which nothing compiled (a bucket's first use may)
+            run(STREAM_TOKENS // 2)  # into the steady state: requests end and start every step
+            compiled, start, cpu = compilation.count(), time.perf_counter(), time.process_time()
+            generated = run(steps)
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if compilation.count() == compiled:
+                break
     engine.close()
     rate = generated / running / seconds
     return rate, cpu * 1e3 / (rate * seconds)
@@ -288,6 +295,7 @@ def served_steps_per_second(
     place: str = "core",
     load_generator: str = "raw",
     stream_interval: int = 1,
+    cores: str = "shared",
 ) -> tuple[float, dict[str, float]]:
     """Engine steps per second behind the HTTP server while `running` clients stream, with
     the engine in its own process (`core`) or on a thread of the server's (`in-process`), and
@@ -301,8 +309,13 @@ def served_steps_per_second(
         "--stream-interval", str(stream_interval), *ENGINE_PLACES[place],
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    log = log_dir / f"host-overhead-serve-{place}-{running}-{stream_interval}.log"
-    with baselines.server_process(command, url + "/health", log, timeout=1800):
+    log = log_dir / f"host-overhead-serve-{place}-{running}-{stream_interval}-{cores}.log"
+    with (
+        baselines.server_process(command, url + "/health", log, timeout=1800),
+        contextlib.ExitStack() as placement,
+    ):
+        if cores == "isolated":
+            placement.enter_context(engine_on_its_own_core(served=True))
         return asyncio.run(_stream_and_sample(url, running, window, load_generator))
 
 
@@ -349,6 +362,15 @@ def cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) so far of this process and of its descendants, by role:
     `bench` (this process: the load generator), `core` (the engine core process, named
     xlaserve-core), `api` (the other descendants: the API server processes)."""
+    totals: dict[str, float] = defaultdict(float)
+    for role, seconds in _processes().values():
+        totals[role] += seconds
+    return totals
+
+
+def _processes() -> dict[int, tuple[str, float]]:
+    """This process and its descendants: pid -> (role, as `cpu_seconds` names them; CPU
+    seconds so far)."""
     me = os.getpid()
     parents: dict[int, int] = {}
     times: dict[int, tuple[str, float]] = {}
@@ -363,16 +385,45 @@ def cpu_seconds() -> dict[str, float]:
         pid = int(text.split(" ", 1)[0])
         parents[pid] = int(fields[1])
         times[pid] = (name, (int(fields[11]) + int(fields[12])) / tick)
-    totals: dict[str, float] = defaultdict(float)
+    roles: dict[int, tuple[str, float]] = {}
     for pid, (name, seconds) in times.items():
         ancestor = pid
         while ancestor not in (me, 0, 1) and ancestor in parents:
             ancestor = parents[ancestor]
         if pid == me:
-            totals["bench"] += seconds
+            roles[pid] = ("bench", seconds)
         elif ancestor == me:
-            totals["core" if name.startswith("xlaserve-core") else "api"] += seconds
-    return totals
+            roles[pid] = ("core" if name.startswith("xlaserve-core") else "api", seconds)
+    return roles
+
+
+def _pin(pid: int, cores: Sequence[int]) -> None:
+    """Every thread of process `pid` (those it starts later inherit it) on `cores`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread may have ended
+            os.sched_setaffinity(int(task.name), cores)
+
+
+@contextlib.contextmanager
+def engine_on_its_own_core(served: bool) -> Iterator[bool]:
+    """`--cores isolated`: the engine (offline: this whole process; served: the engine core
+    process) on the last core, everything else (the load generator, the API server) on the
+    others, as on a host with cores to spare for its server; yields False (and pins nothing)
+    on a machine of one core. Restores this process's affinity on exit."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        yield False
+        return
+    engine, rest = cores[-1:], cores[:-1]
+    if served:
+        for pid, (role, _) in _processes().items():
+            _pin(pid, engine if role == "core" else rest)
+    else:
+        _pin(os.getpid(), engine)
+    try:
+        yield True
+    finally:
+        _pin(os.getpid(), cores)
 
 
 def cpu_shares(
@@ -454,35 +505,36 @@ def table(rows: dict[int, dict[str, float]]) -> list[str]:
 
 
 def served_table(
-    offline: dict[tuple[int, int], tuple[float, float]],
-    served: dict[tuple[str, int, int], tuple[float, dict[str, float]]],
+    offline: dict[tuple[int, int, str], tuple[float, float]],
+    served: dict[tuple[str, int, int, str], tuple[float, dict[str, float]]],
 ) -> list[str]:
     """The served rate against the offline one on the same requests (`offline`: (running,
-    stream interval) -> steps per second and CPU ms per step, `closed_loop_steps_per_second`;
-    `served`: keyed by (engine place, running, stream interval)); how busy each
+    stream interval, cores) -> steps per second and CPU ms per step,
+    `closed_loop_steps_per_second`; `served`: keyed by (engine place, running, stream
+    interval, cores)); how busy each
     process was meanwhile (cores: CPU seconds per second of the load generator, the API
     server(s) and the engine core); and the CPU milliseconds per engine step of the engine's
     process offline, of the engine core served and of the API server(s), which, unlike the
     rates, do not depend much on what else the machine runs."""
     lines = [
-        "| streaming clients | stream interval | engine | offline steps/s | served steps/s "
-        "| served / offline | cores: load generator | API server | engine core "
+        "| streaming clients | stream interval | cores | engine | offline steps/s "
+        "| served steps/s | served / offline | cores: load generator | API server | engine core "
         "| CPU ms/step: offline | engine core | API server |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (place, running, interval), (steps, cpu) in served.items():
-        rate, offline_cpu = offline[running, interval]
+    for (place, running, interval, placing), (steps, cpu) in served.items():
+        rate, offline_cpu = offline[running, interval, placing]
         cores = " | ".join(f"{cpu.get(role, 0.0):.2f}" for role in ("bench", "api", "core"))
         per_step = " | ".join(f"{cpu.get(role, 0.0) * 1e3 / steps:.2f}" for role in ("core", "api"))
         lines.append(
-            f"| {running} | {interval} | {place} | {rate:.1f} | {steps:.1f} | {steps / rate:.2f} "
-            f"| {cores} | {offline_cpu:.2f} | {per_step} |"
+            f"| {running} | {interval} | {placing} | {place} | {rate:.1f} | {steps:.1f} "
+            f"| {steps / rate:.2f} | {cores} | {offline_cpu:.2f} | {per_step} |"
         )
     targets = [
         f"- served / offline at 256 streaming clients, engine {place}, stream interval "
-        f"{interval}: {steps / offline[256, interval][0]:.2f} (target 0.8: "
-        f"{'met' if steps >= 0.8 * offline[256, interval][0] else 'NOT met'})"
-        for (place, running, interval), (steps, _) in served.items()
+        f"{interval}, cores {placing}: {steps / offline[256, interval, placing][0]:.2f} (target "
+        f"0.8: {'met' if steps >= 0.8 * offline[256, interval, placing][0] else 'NOT met'})"
+        for (place, running, interval, placing), (steps, _) in served.items()
         if running == 256
     ]
     return [*lines, *([""] if targets else []), *targets]
@@ -563,6 +615,16 @@ def parser() -> argparse.ArgumentParser:
         "stream's tokens sent k at a time after its first), offline configured the same",
     )
     p.add_argument(
+        "--cores",
+        nargs="+",
+        choices=["shared", "isolated"],
+        default=["shared"],
+        help="the served rows (and their offline rates) with every process on every core "
+        "(shared), or the engine on a core of its own and the API server and load generator "
+        "on the other (isolated: a server host's spare cores; the offline engine gets the same "
+        "one core)",
+    )
+    p.add_argument(
         "--async-scheduling",
         choices=["both", "on", "off"],
         default="both",
@@ -624,14 +686,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 }
     engine.close()
     offline = {
-        (n, k): closed_loop_steps_per_second(model_dir, n, args.steps * 4, k)
+        (n, k, c): closed_loop_steps_per_second(model_dir, n, args.steps * 4, k, c)
+        for c in args.cores
         for n in args.served
         for k in args.stream_interval
     }
     served = {
-        (place, n, k): served_steps_per_second(
-            model_dir, n, args.port, args.window, model_dir, place, args.load_generator, k
+        (place, n, k, c): served_steps_per_second(
+            model_dir, n, args.port, args.window, model_dir, place, args.load_generator, k, c
         )
+        for c in args.cores
         for n in args.served
         for k in args.stream_interval
         for place in args.served_engine
