@@ -183,12 +183,16 @@ def measure(
     async_scheduling: bool = False,
 ) -> dict[str, float]:
     """Milliseconds per decode step in each phase, and the whole step, with `running`
-    sequences decoding. Prefill and the first `warm_steps` decode steps (which may compile a
-    bucket) are not timed."""
+    sequences decoding, every one of them through every timed step. Prefill and the first
+    `warm_steps` decode steps (which may compile a bucket) are not timed.
+
+    The prompts are admitted over tens of steps (each step's token budget goes to the running
+    decodes first), so the first sequences are that many tokens ahead when the last one joins:
+    each may run to the model's length, and the timed windows end before any does."""
     engine.async_scheduling = async_scheduling
     # Timed windows in which something compiled (a bucket's first use) are redone, up to 3.
-    tries = max(1, min(3, (MODEL_LEN - PROMPT_LEN - warm_steps - 8) // steps))
-    max_tokens = tries * steps + warm_steps + 8
+    tries = max(1, min(3, (MODEL_LEN // 2) // steps))
+    max_tokens = MODEL_LEN - PROMPT_LEN - 1
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     vocab = engine.model_info().vocab_size
     for i in range(running):
@@ -205,6 +209,8 @@ def measure(
         for _ in range(steps):
             engine.step()
         total, cpu = time.perf_counter() - start, time.process_time() - cpu
+        if engine.scheduler.num_running != running:
+            raise RuntimeError(f"{engine.scheduler.num_running} of {running} ran to the end")
         if compilation.count() == compiled:
             break
     per_step = {phase: clock.seconds[phase] * 1e3 / steps for phase in PHASES}
@@ -651,7 +657,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = build_engine(
         EngineConfig(
             str(model_dir),
-            cache=CacheConfig(num_pages=most * 4 + 64),
+            cache=CacheConfig(num_pages=most * -(-MODEL_LEN // 16) + 64),  # none preempted
             scheduler=SchedulerConfig(
                 max_num_seqs=most, max_num_batched_tokens=max(most, 256), max_model_len=MODEL_LEN
             ),

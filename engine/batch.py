@@ -82,7 +82,13 @@ class BatchBuilder:
 
     A token still pending on the device (asynchronous scheduling) is read there: `token_src`
     names its row among the tokens the previously built step samples, which this builder
-    remembers."""
+    remembers.
+
+    A steady decode step (the same sequences as the last batch, in the same rows, each one
+    token further: no sequence joined, left or moved) is written from the last batch with a
+    few whole-batch NumPy operations (`_write_steady`) instead of a pass over every sequence's
+    tokens and pages: a narrow form of vLLM's persistent batch, which also keeps its rows
+    through joins and leaves."""
 
     def __init__(self, shapes: BatchShapes, page_size: int, eos_token_ids: tuple[int, ...] = ()):
         self.shapes = shapes
@@ -91,6 +97,12 @@ class BatchBuilder:
         self._buffers = [self._allocate(), self._allocate()]
         self._turn = 0
         self._last_rows: dict[str, int] = {}  # request id -> its row in the last batch built
+        # The last batch's requests if each of its rows was one token past its prompt (no
+        # prefill chunk, no draft tokens), else None: the next batch may then be steady.
+        self._last_decode: list[Request] | None = None
+        self._last_num_pages = np.zeros(0, np.int64)  # the pages each row held in it
+        longest = max(shapes.token_buckets[-1], shapes.seq_buckets[-1])
+        self._arange = np.arange(longest + 1, dtype=np.int32)  # row and token numbers
         self._sampling_cache = SamplingCache(self.eos_token_ids)
 
     def _allocate(self) -> dict[str, np.ndarray]:
@@ -141,18 +153,32 @@ class BatchBuilder:
         next_ids, lora_slots, token_src = buf["next_token_ids"], buf["lora_slots"], buf["token_src"]
         next_ids[:t] = -1
         token_src[:t] = -1
-        rows = _Rows.gather(out, kv_cache, self._last_rows)
-        self._last_rows = rows.index
-        num_seqs, offset = len(out.scheduled), len(rows.token_ids)
-        if num_seqs:
-            rows.write(token_ids, positions, slots, page_table, self.page_size)
-            counts = np.asarray(rows.counts, np.int32)  # i32[n]
-            np.cumsum(counts, out=cu_q_lens[1 : num_seqs + 1])
-            kv_lens[:num_seqs] = rows.starts + counts
-            lora_slots[:offset] = np.repeat(np.asarray(rows.lora_slots, np.int32), counts)
-            token_src[rows.src_at] = rows.src_rows
-            for at, following in rows.next_ids:  # prompt logprobs: each token's successor
-                next_ids[at : at + len(following)] = following
+        requests = [scheduled.request for scheduled in out.scheduled]
+        num_seqs = offset = len(requests)
+        steady = (
+            kv_cache is not None
+            and num_seqs > 0
+            and requests == self._last_decode  # Request compares by identity
+            and out.num_tokens == num_seqs
+            and kv_cache.sliding_window is None  # (released pages change earlier entries)
+            and self._write_steady(buf, self._buffers[self._turn], out, requests, kv_cache)
+        )
+        if not steady:
+            rows = _Rows.gather(out, kv_cache, self._last_rows)
+            self._last_rows = rows.index
+            self._last_decode = requests if rows.decode_only else None
+            offset = len(rows.token_ids)
+            if num_seqs:
+                self._last_num_pages = rows.write(
+                    token_ids, positions, slots, page_table, self.page_size
+                )
+                counts = np.asarray(rows.counts, np.int32)  # i32[n]
+                np.cumsum(counts, out=cu_q_lens[1 : num_seqs + 1])
+                kv_lens[:num_seqs] = rows.starts + counts
+                lora_slots[:offset] = np.repeat(np.asarray(rows.lora_slots, np.int32), counts)
+                token_src[rows.src_at] = rows.src_rows
+                for at, following in rows.next_ids:  # prompt logprobs: each token's successor
+                    next_ids[at : at + len(following)] = following
         token_ids[offset:t] = 0
         positions[offset:t] = 0
         slots[offset:t] = -1
@@ -176,6 +202,53 @@ class BatchBuilder:
             token_bitmask=self._bitmask(buf["token_bitmask"], s),
             token_src=token_src[:t],
         )
+
+    def _write_steady(
+        self,
+        buf: dict[str, np.ndarray],
+        last: dict[str, np.ndarray],
+        out: SchedulerOutput,
+        requests: list[Request],
+        kv_cache: KVCacheManager,
+    ) -> bool:
+        """Writes the first rows of a batch whose sequences are the last batch's, in the same
+        rows, where each row fed one token past its prompt, from `last`'s buffers, if each row
+        now feeds its next one: it starts where its last step ended and its token is its last
+        (known on the host, or pending on the device for every row). Else False, having
+        written nothing. Like `_Rows.write`, each row gets every page its sequence holds (a
+        draft model's steps write past the batch's tokens)."""
+        n = len(requests)
+        starts = np.fromiter((scheduled.start for scheduled in out.scheduled), np.int32, n)
+        if not np.array_equal(starts, last["kv_lens"][:n]):  # e.g. a draft model's batches
+            return False
+        pending = np.fromiter((r.num_pending_tokens for r in requests), np.int32, n)
+        ends = np.fromiter((r.num_tokens for r in requests), np.int32, n) + pending
+        if not np.array_equal(starts + 1, ends):
+            return False
+        if not pending.any():  # each row's token is its last output (it is past its prompt)
+            tokens = (r.output_token_ids[-1] for r in requests)
+            buf["token_ids"][:n] = np.fromiter(tokens, np.int32, n)
+        elif (pending == 1).all():  # asynchronous: the last step samples row i's token in row i
+            buf["token_ids"][:n] = 0
+            buf["token_src"][:n] = self._arange[:n]
+        else:
+            return False
+        buf["positions"][:n] = starts
+        buf["kv_lens"][:n] = starts + 1
+        buf["cu_q_lens"][: n + 1] = self._arange[: n + 1]
+        buf["lora_slots"][:n] = last["lora_slots"][:n]  # an adapter keeps its slot while it runs
+        page_table, size, held = buf["page_table"], self.page_size, self._last_num_pages
+        width = int(held.max())
+        page_table[:n, :width] = last["page_table"][:n, :width]
+        held_now = (kv_cache.num_pages_held(r.request_id) for r in requests)
+        num_pages = np.fromiter(held_now, np.int64, n)
+        for row in np.flatnonzero(num_pages > held).tolist():  # pages allocated since
+            pages = kv_cache.page_table(requests[row].request_id)
+            page_table[row, held[row] : len(pages)] = pages[held[row] :]
+        self._last_num_pages = num_pages
+        index = starts // size
+        buf["slot_mapping"][:n] = page_table[self._arange[:n], index] * size + starts % size
+        return True
 
     def _bitmask(self, buffer: np.ndarray, s: int) -> np.ndarray | None:
         if self.shapes.vocab_size is None:
@@ -203,6 +276,7 @@ class _Rows:
     src_at: list[int]  # tokens pending on the device ...
     src_rows: list[int]  # ... and their rows among the previous step's samples
     next_ids: list[tuple[int, list[int]]]  # (token offset, prompt tokens after each)
+    decode_only: bool = True  # every row is one token past its prompt (no draft tokens)
 
     @classmethod
     def gather(
@@ -235,6 +309,14 @@ class _Rows:
             rows.counts.append(n)
             rows.lora_slots.append(request.lora_slot)
         rows.starts = np.asarray(starts, np.int32)
+        rows.decode_only = (
+            len(tokens) == len(starts)
+            and not rows.next_ids
+            and all(
+                start >= len(s.request.prompt_token_ids)
+                for start, s in zip(starts, out.scheduled, strict=True)
+            )
+        )
         return rows
 
     def write(
@@ -244,9 +326,10 @@ class _Rows:
         slots: np.ndarray,  # i32[T]
         page_table: np.ndarray,  # i32[S, P]
         page_size: int,
-    ) -> None:
+    ) -> np.ndarray:
         """Fills the first rows of the page table (each row's pages; entries past them are left
-        as they are) and the tokens' ids, positions and slots."""
+        as they are) and the tokens' ids, positions and slots; returns each row's number of
+        pages, i64[n]."""
         n, total = len(self.counts), len(self.token_ids)
         lengths = np.fromiter(map(len, self.pages), np.int64, n)
         flat = np.fromiter(itertools.chain.from_iterable(self.pages), np.int32, int(lengths.sum()))
@@ -258,6 +341,7 @@ class _Rows:
         pos = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts) + self.starts[row]
         positions[:total] = pos
         slots[:total] = page_table[row, pos // page_size] * page_size + pos % page_size
+        return lengths
 
 
 def sampling_tensors(

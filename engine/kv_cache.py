@@ -109,6 +109,10 @@ class KVCacheManager:
         """A copy of the request's pages in token order; empty for an unknown request."""
         return list(self._tables.get(request_id, ()))
 
+    def num_pages_held(self, request_id: str) -> int:
+        """How many pages the request holds (0 for an unknown request)."""
+        return len(self._tables.get(request_id, ()))
+
     def num_committed_pages(self, request_id: str) -> int:
         """The request's leading pages registered in the prefix cache (or found there)."""
         return len(self._chains.get(request_id, ()))

@@ -166,3 +166,84 @@ def test_unbiased_batches_share_read_only_bias_arrays() -> None:
     assert own.bias_ids[1, 0] == 7 and own.bias_values[1, 0] == 5.0
     np.testing.assert_array_equal(shared_ids, np.full((4, BIAS_WIDTH), -1, np.int32))
     np.testing.assert_array_equal(shared_values, np.zeros((4, BIAS_WIDTH), np.float32))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("seed", range(4))
+def test_steady_decode_batches_equal_the_reference(seed: int, asynchronous: bool) -> None:
+    """40 steps of decoding, one token a row, with requests joining (a prefill first, of one
+    token at times), leaving, trading rows or jumping ahead (as accepted proposals do) now and
+    then, some with pages allocated ahead of their tokens: the batches written from the last
+    one (the same sequences in the same rows) equal the row-by-row reference as the others
+    do, every page each sequence holds included, and most steps take that path.
+    Asynchronously, each decoded token is pending on the device when the next batch is built
+    (once in a while the host knows them all: a step that needed its tokens)."""
+    rng = random.Random(seed)
+    shapes = BatchShapes.create(
+        max_num_batched_tokens=256, max_num_seqs=16, max_model_len=64, page_size=PAGE
+    )
+    builder = BatchBuilder(shapes, PAGE, eos_token_ids=EOS)
+    steady = 0
+    write_steady = builder._write_steady
+
+    def counted(*args: object) -> bool:
+        nonlocal steady
+        taken = write_steady(*args)  # type: ignore[arg-type]
+        steady += taken
+        return taken
+
+    builder._write_steady = counted  # type: ignore[method-assign]
+    kv = KVCacheManager(256, PAGE, enable_prefix_caching=False)
+    made = iter(range(10**6))
+
+    def new_request() -> Request:
+        params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=60)
+        length = rng.choice([1, rng.randrange(2, 10)])  # one token: a prefill of one row
+        prompt = [rng.randrange(3, 50) for _ in range(length)]
+        request = Request(f"r{next(made)}", prompt, params, seed=rng.randrange(2**32))
+        request.lora_slot = rng.choice([0, 1])
+        return request
+
+    running = [new_request() for _ in range(rng.randrange(4, 13))]
+    last: dict[str, int] = {}
+    for _ in range(40):
+        if rng.random() < 0.15 and len(running) > 1:
+            kv.free(running.pop(rng.randrange(len(running))).request_id)
+        if rng.random() < 0.15 and len(running) < 16:
+            running.append(new_request())
+        if rng.random() < 0.1:  # two rows trade places (an admission sorted in by priority)
+            i, j = rng.sample(range(len(running)), 2) if len(running) > 1 else (0, 0)
+            running[i], running[j] = running[j], running[i]
+        resolved = not asynchronous or rng.random() < 0.1  # the host waited for every token
+        rows = []
+        for r in running:
+            if r.request_id not in last:  # new: its prompt, in one chunk
+                rows.append(ScheduledRequest(r, 0, len(r.prompt_token_ids)))
+                continue
+            # The tokens sampled by earlier steps that the host reads now: all of them, or
+            # (asynchronously) all but the last step's, still pending on the device.
+            while r.num_pending_tokens > (0 if resolved else 1):
+                r.output_token_ids.append(rng.randrange(3, 50))
+                r.num_pending_tokens -= 1
+            if rng.random() < 0.03:  # it jumps ahead (a run of accepted proposals)
+                r.output_token_ids += [rng.randrange(3, 50), rng.randrange(3, 50)]
+            start = r.num_tokens + r.num_pending_tokens - 1
+            rows.append(ScheduledRequest(r, start, 1))
+        for row in rows:  # at times pages ahead of the tokens, as for proposals
+            ahead = rng.choice([0, 0, 0, 0, 5])
+            kv.allocate(row.request.request_id, row.start + row.num_new_tokens + ahead)
+        out = SchedulerOutput(rows)
+        batch = builder.build(out, kv, penalties=False)
+        t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
+        want = _reference(out, kv, last, t, s)
+        for i, row in enumerate(rows):  # every page it holds; entries past them are stale
+            held = kv.num_pages_held(row.request.request_id)
+            np.testing.assert_array_equal(
+                batch.page_table[i, :held], want["page_table"][i, :held], err_msg=f"row {i}"
+            )
+        del want["page_table"]
+        _check(batch, want, _reference_sampling([row.request for row in rows], s))
+        last = {row.request.request_id: i for i, row in enumerate(rows)}
+        for row in rows:  # each row's step samples a token, which the host reads later
+            row.request.num_pending_tokens += 1
+    assert steady >= 10, steady
