@@ -194,8 +194,9 @@ class SchedulerConfig:
     (engine/llm_engine.py); off: each step waits for the one before it. `stream_interval`
     (SGLang's --stream-interval): a running sequence hands out its first token at once, then
     its new tokens and text once that many have gathered, and the rest when it finishes; 1
-    hands out every token as it comes, larger values cut the per-token work of every layer
-    above the engine (the engine-core wire, the API server, its streams) by that factor."""
+    hands out every token as it comes, larger values cut the deltas that cross to the API
+    server and its streams by up to that factor (an API server that falls behind merges a
+    stream's waiting deltas anyway: bench/RESULTS.md)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512

@@ -153,7 +153,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         type=_positive_int,
         default=1,
         help="a stream's first token is sent at once, then its tokens in chunks of this many "
-        "(and the rest when it ends); above 1, the server's per-token work drops by that factor",
+        "(and the rest when it ends); above 1, up to that many times fewer deltas and events",
     )
     serve.add_argument(
         "--kv-cache-memory",
