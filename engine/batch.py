@@ -219,7 +219,7 @@ class BatchBuilder:
         draft model's steps write past the batch's tokens)."""
         n = len(requests)
         starts = np.fromiter((scheduled.start for scheduled in out.scheduled), np.int32, n)
-        if not np.array_equal(starts, last["kv_lens"][:n]):  # e.g. a draft model's batches
+        if not np.array_equal(starts, last["kv_lens"][:n]):  # so each is past its prompt
             return False
         pending = np.fromiter((r.num_pending_tokens for r in requests), np.int32, n)
         ends = np.fromiter((r.num_tokens for r in requests), np.int32, n) + pending

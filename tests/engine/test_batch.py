@@ -247,3 +247,32 @@ def test_steady_decode_batches_equal_the_reference(seed: int, asynchronous: bool
         for row in rows:  # each row's step samples a token, which the host reads later
             row.request.num_pending_tokens += 1
     assert steady >= 10, steady
+
+
+def test_rows_that_trade_places_are_gathered_again() -> None:
+    """Two sequences at the same position trade rows (an admission sorted in between them
+    would do it): every check on the rows' positions and tokens still holds, so only the rows'
+    identities tell that the last batch's pages and token rows no longer line up."""
+    shapes = BatchShapes.create(
+        max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, page_size=PAGE
+    )
+    builder = BatchBuilder(shapes, PAGE, eos_token_ids=EOS)
+    kv = KVCacheManager(64, PAGE, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    a = Request("a", [5, 6, 7], params, seed=1)
+    b = Request("b", [8, 9, 10], params, seed=2)
+    order, last = [a, b], {}
+    for step in range(6):
+        if step == 4:
+            order = [b, a]
+        for r in order:
+            r.output_token_ids.append(11 + step + 10 * (r is b))  # each its own tokens
+        rows = [ScheduledRequest(r, r.num_tokens - 1, 1) for r in order]
+        for row in rows:
+            kv.allocate(row.request.request_id, row.start + 1)
+        out = SchedulerOutput(rows)
+        batch = builder.build(out, kv, penalties=False)
+        t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
+        want = _reference(out, kv, last, t, s)
+        _check(batch, want, _reference_sampling(order, s))
+        last = {row.request.request_id: i for i, row in enumerate(rows)}
