@@ -101,7 +101,7 @@ def test_hanging_up_aborts_the_request(openai_server) -> None:
     def generated() -> float:
         return _metric(httpx.get(f"{openai_server.url}/metrics").text, "generation_tokens_total")
 
-    async def hang_up(stream: bool) -> None:
+    async def hang_up(stream: bool, before: float) -> None:
         async with httpx.AsyncClient(base_url=openai_server.url, headers=HEADERS) as client:
             if stream:
                 async with client.stream(
@@ -110,13 +110,22 @@ def test_hanging_up_aborts_the_request(openai_server) -> None:
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
                             break
-            else:
-                with contextlib.suppress(httpx.TimeoutException):
-                    await client.post("/v1/completions", json=body, timeout=0.2)
+                return
+            # Not streamed: it hangs up once its sequences decode (a fixed timeout would let a
+            # fast machine finish half of them first).
+            post = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            while not post.done():
+                metrics = (await client.get("/metrics")).text
+                if _metric(metrics, "generation_tokens_total") > before:
+                    break
+                await asyncio.sleep(0.01)
+            post.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
 
     for stream in (True, False):
         before = generated()
-        asyncio.run(hang_up(stream))
+        asyncio.run(hang_up(stream, before))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             metrics = httpx.get(f"{openai_server.url}/metrics").text
