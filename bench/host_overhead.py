@@ -168,9 +168,7 @@ def device_on_its_own_core() -> Iterator[bool]:
     try:
         yield True
     finally:
-        for tid in (int(t) for t in os.listdir("/proc/self/task")):
-            with contextlib.suppress(OSError):  # a thread may have ended
-                os.sched_setaffinity(tid, cores)
+        _pin(os.getpid(), cores)
 
 
 def measure(

@@ -197,7 +197,7 @@ class BatchBuilder:
             num_seqs=np.int32(num_seqs),
             logits_indices=logits_indices[:s],
             next_token_ids=next_ids[:t],
-            sampling=self._sampling(out, s, penalties=penalties),
+            sampling=self._sampling(requests, s, penalties=penalties),
             lora_slots=lora_slots[:t],
             token_bitmask=self._bitmask(buf["token_bitmask"], s),
             token_src=token_src[:t],
@@ -256,8 +256,7 @@ class BatchBuilder:
         buffer[:s] = -1  # the last batch in this buffer may have had constrained rows
         return buffer[:s]
 
-    def _sampling(self, out: SchedulerOutput, s: int, *, penalties: bool) -> SamplingTensors:
-        requests = [scheduled.request for scheduled in out.scheduled]
+    def _sampling(self, requests: list[Request], s: int, *, penalties: bool) -> SamplingTensors:
         penalty_len = self.shapes.penalty_len if penalties else 0
         return self._sampling_cache.tensors(requests, s, penalty_len)
 
