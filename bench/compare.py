@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -284,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows += got_t
         versions["transformers"] = version
     lines = [
-        *common.preamble("python bench/compare.py " + " ".join(sys.argv[1:]), versions),
+        *common.preamble("python bench/compare.py " + shlex.join(sys.argv[1:]), versions),
         f"- model: {gguf.name}; random prompts of {args.input_len} tokens, "
         f"{args.output_len} output tokens each, greedy, EOS ignored; raw JSON in "
         f"{args.result_dir}",
