@@ -132,7 +132,8 @@ def quantized_matmul(
     """x @ w (or x @ w.T when transposed) for w = values * scales + offsets in groups of G
     consecutive elements along K, 4-bit values two per byte along K (element 2j in the low
     nibble of byte j); f32[T, N]. Reads the weights once per 2 rows of x (the [K, N] layout) or
-    per 4 (transposed). Shapes the kernel takes: `engine.models.quant._kernel_takes`."""
+    once for all of them (transposed: 4 table rows at a time dequantized into L1). Shapes the
+    kernel takes: `engine.models.quant._kernel_takes`."""
     n = values.shape[0] if transposed else values.shape[1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call("xlaserve_quantized_matmul", out, vmap_method="sequential")
