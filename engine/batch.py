@@ -304,18 +304,13 @@ class _Rows:
                 tokens.append(0)
             if request.sampling_params.prompt_logprobs is not None:
                 rows.next_ids.append((offset, prompt[start + 1 : start + n + 1]))
+                rows.decode_only = False
+            elif n != 1 or start < len(prompt):  # a prefill chunk or draft tokens
+                rows.decode_only = False
             starts.append(start)
             rows.counts.append(n)
             rows.lora_slots.append(request.lora_slot)
         rows.starts = np.asarray(starts, np.int32)
-        rows.decode_only = (
-            len(tokens) == len(starts)
-            and not rows.next_ids
-            and all(
-                start >= len(s.request.prompt_token_ids)
-                for start, s in zip(starts, out.scheduled, strict=True)
-            )
-        )
         return rows
 
     def write(
