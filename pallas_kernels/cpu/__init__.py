@@ -128,12 +128,19 @@ def quantized_matmul(
     *,
     bits: int,
     transposed: bool,
+    int8_activations: bool = False,
 ) -> jax.Array:
     """x @ w (or x @ w.T when transposed) for w = values * scales + offsets in groups of G
     consecutive elements along K, 4-bit values two per byte along K (element 2j in the low
     nibble of byte j); f32[T, N]. Reads the weights once per 2 rows of x (the [K, N] layout) or
     once for all of them (transposed: 4 table rows at a time dequantized into L1). Shapes the
-    kernel takes: `engine.models.quant._kernel_takes`."""
+    kernel takes: `engine.models.quant._kernel_takes`.
+
+    With `int8_activations` (int4 [K, N] weights, G a multiple of 32, N of 64): x̂ @ (values *
+    scales) + x @ offsets, where x̂ is each row of x rounded to int8 in blocks of 32 as
+    llama.cpp's Q8_0 does (scale max |x| / 127, round half to even), the integer products summed
+    exactly (AVX-512 VNNI's byte dot products where the CPU has them); a row's result does not
+    depend on the other rows."""
     n = values.shape[0] if transposed else values.shape[1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call("xlaserve_quantized_matmul", out, vmap_method="sequential")
@@ -146,6 +153,7 @@ def quantized_matmul(
         bits=np.int64(bits),
         transposed=np.int64(transposed),
         has_offsets=np.int64(offsets is not None),
+        int8_activations=np.int64(int8_activations),
     )
 
 

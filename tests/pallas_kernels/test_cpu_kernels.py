@@ -213,6 +213,74 @@ def test_quantized_matmul_matches_numpy(
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def round_activations(x: np.ndarray) -> np.ndarray:
+    """Each row of x rounded to int8 in blocks of 32, as llama.cpp's Q8_0 (scale max|x| / 127,
+    round half to even), returned dequantized in float64."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
+    return (np.rint(blocks * inverse) * scale.astype(np.float64)).reshape(x.shape)
+
+
+# ([In, Out] shape, group, offsets): GGUF-style groups of 32, int4 with wider groups, a down
+# projection (K a multiple of the 256-wide stripes plus a rest), symmetric int4 (no offsets).
+INT8_ACTIVATION_PRODUCTS = [
+    ((576, 192), 32, True),
+    ((256, 640), 64, True),
+    ((1536, 576), 32, True),
+    ((512, 1536), 128, False),
+]
+
+
+@pytest.mark.parametrize(("shape", "group", "offsets"), INT8_ACTIVATION_PRODUCTS)
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 13, 64])
+def test_int8_activation_product_matches_numpy(
+    shape: tuple[int, int], group: int, offsets: bool, rows: int
+) -> None:
+    # x rounded to int8 meets the int4 integers times their scales; the offsets meet the exact x.
+    rng = np.random.default_rng(zlib.crc32(repr((shape, group, offsets, rows)).encode()))
+    w = random_weight(rng, shape, 4, group, axis=0)
+    if not offsets:
+        w = QuantizedWeight(w.values, w.scales, None, 4, 0, "float32")
+    scaled = np.asarray(dequantize(QuantizedWeight(w.values, w.scales, None, 4, 0, "float32")))
+    x = rng.standard_normal((rows, shape[0])).astype(np.float32)
+    x[0, :32] = 0.0  # a block of zeros (scale 0)
+    want = round_activations(x) @ scaled.astype(np.float64)
+    if offsets:
+        want += x.astype(np.float64) @ np.repeat(np.asarray(w.offsets, np.float64), group, axis=0)
+    product = jax.jit(
+        lambda x: cpu.quantized_matmul(
+            x, w.values, w.scales, w.offsets, bits=4, transposed=False, int8_activations=True
+        )
+    )
+    got = np.asarray(product(x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # Each row alone gives its row of the batch bit for bit (the few-row and many-row paths).
+    for i in {0, rows - 1}:
+        np.testing.assert_array_equal(np.asarray(product(x[i : i + 1])), got[i : i + 1])
+
+
+def test_weights_marked_for_int8_activations_take_them() -> None:
+    # quant.product as the model calls it: a marked int4 [In, Out] weight gets the kernel's
+    # rounded activations (not the float product); the output layer keeps float activations.
+    rng = np.random.default_rng(12)
+    w = random_weight(rng, (576, 192), 4, 32, axis=0)
+    marked = quant.with_int8_activations({"w": w})["w"]
+    assert marked.int8_activations and marked.values is w.values
+    x = rng.standard_normal((3, 576)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x: quant.product(x, marked, transposed=False))(x))
+    rounded = cpu.quantized_matmul(
+        x, w.values, w.scales, w.offsets, bits=4, transposed=False, int8_activations=True
+    )
+    np.testing.assert_array_equal(got, np.asarray(rounded))
+    plain = np.asarray(jax.jit(lambda x: quant.product(x, w, transposed=False))(x))
+    assert np.abs(got - plain).max() > 1e-4 * np.abs(plain).max()
+    table = quant.with_int8_activations({"t": random_weight(rng, (256, 576), 4, 32, axis=1)})["t"]
+    dense = np.asarray(dequantize(table), np.float64)
+    got = jax.jit(lambda x: quant.product(x, table, transposed=True))(x)
+    np.testing.assert_allclose(np.asarray(got), x @ dense.T, rtol=1e-4, atol=1e-3)
+
+
 def test_model_weights_take_the_kernel_on_cpu() -> None:
     # wq-shaped [D, N, H] int8 per channel and an int4 embedding table, through quant.product as
     # the model calls it: the kernel path (few rows) and the dequantized path (many) agree.
