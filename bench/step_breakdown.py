@@ -97,7 +97,11 @@ def build(model: Path, running: int, args: argparse.Namespace) -> LLMEngine:
     engine = build_engine(
         EngineConfig(
             str(model),
-            quantization=QuantizationConfig(args.quantization) if args.quantization else None,
+            quantization=QuantizationConfig(
+                args.quantization, int8_activations=args.int8_activations
+            )
+            if args.quantization
+            else None,
             cache=CacheConfig(
                 num_pages=running * (-(-context // 16) + 1) + 16, enable_prefix_caching=False
             ),
@@ -174,6 +178,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="alias or .gguf file")
     p.add_argument("--quantization", default="int4", help="'' for the model's own dtype")
+    p.add_argument(
+        "--int8-activations", action="store_true", help="as the server's flag (int4 on CPU)"
+    )
     p.add_argument("--running", type=int, nargs="+", default=[1, 64])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")

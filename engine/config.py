@@ -126,10 +126,16 @@ QUANTIZATION_METHODS = ("int8", "int4")
 class QuantizationConfig:
     """Weight-only quantization of every linear layer: int8 per output channel, or int4 in
     groups of `group_size` along the input axis; the embedding/output layer is int8 in groups
-    of 32 under both (see engine/weights/quantize.py)."""
+    of 32 under both (see engine/weights/quantize.py).
+
+    `int8_activations` (int4 only): on CPU, decode-sized products with int4 weights round each
+    activation row to int8 in blocks of 32, as llama.cpp's Q8_0 does, and sum the products in
+    integers (`pallas_kernels.cpu.quantized_matmul`); the output layer, larger prefill chunks and
+    other platforms keep float activations."""
 
     method: str  # "int8" | "int4"
     group_size: int = 32  # int4 only: 32, 64 or 128
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -138,6 +144,8 @@ class QuantizationConfig:
             )
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"int4 group size must be 32, 64 or 128, got {self.group_size}")
+        if self.int8_activations and self.method != "int4":
+            raise ValueError(f"int8 activations need int4 weights, not {self.method}")
 
     @property
     def bits(self) -> int:

@@ -437,6 +437,14 @@ def generate_config(args: argparse.Namespace) -> EngineConfig:
 GENERATE_PAGE_SIZE = 16
 
 
+def _quantization(args: argparse.Namespace) -> QuantizationConfig | None:
+    if args.int8_activations and not args.quantization:
+        raise ValueError("--int8-activations needs --quantization int4")
+    if not args.quantization:
+        return None
+    return QuantizationConfig(args.quantization, int8_activations=args.int8_activations)
+
+
 def _engine_config(
     args: argparse.Namespace,
     *,
@@ -453,7 +461,7 @@ def _engine_config(
         return EngineConfig(
             model=args.model,
             dtype=args.dtype,
-            quantization=QuantizationConfig(args.quantization) if args.quantization else None,
+            quantization=_quantization(args),
             cache=cache(),
             scheduler=scheduler(),
             parallel=parallel(),
@@ -535,6 +543,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="weight-only quantization of the linear layers (GGUF Q8_0/Q4_* blocks are taken as "
         "stored; float weights are quantized at load)",
+    )
+    parser.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="with --quantization int4 on CPU: decode rows are rounded to int8 in blocks of 32 "
+        "(llama.cpp's Q8_0) for integer dot products with the int4 weights",
     )
     parser.add_argument(
         "--kv-cache-dtype",

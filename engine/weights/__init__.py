@@ -31,7 +31,12 @@ from engine.errors import ModelLoadError, UnsupportedModelError, XlaserveError
 from engine.models import registry
 from engine.models.layers import Params
 from engine.models.llama import TensorSpec
-from engine.models.quant import QUANTIZED_AXIS, QuantizedWeight, weight_bytes
+from engine.models.quant import (
+    QUANTIZED_AXIS,
+    QuantizedWeight,
+    weight_bytes,
+    with_int8_activations,
+)
 from engine.weights import experts, gguf_file, hf_checkpoint, orbax_checkpoint, quantize
 from sharding.rules import ShardingPlan, param_axes
 
@@ -150,6 +155,7 @@ class Checkpoint:
         (layers stacked when the plan has pipeline stages)."""
         start = time.perf_counter()
         specs = registry.family(self.cfg).hf_tensor_specs(self.cfg)
+        int8_activations = quantization is not None and quantization.int8_activations
         if isinstance(self.source, orbax_checkpoint.ConvertedSource):
             params = self.source.restore(self.cfg, plan, quantization)
             quantization = self.source.quantization
@@ -162,6 +168,8 @@ class Checkpoint:
             )
         else:
             params = build_sharded_params(self.cfg, specs, self.source, plan)
+        if int8_activations:
+            params = with_int8_activations(params)
         logger.info(
             "loaded %s: %s parameters, %.1f MB on device (%s), in %.1f s",
             self.files.path,

@@ -138,7 +138,8 @@ class ConvertedSource:
     ) -> Params:
         """The parameters, each leaf placed as `plan` shards it (each process reading only its
         slices), or on the default device; float leaves in `cfg.dtype`."""
-        if quantization is not None and quantization != self.quantization:
+        weights = lambda q: q and (q.method, q.group_size)  # int8 activations are not held
+        if quantization is not None and weights(quantization) != weights(self.quantization):
             held = self.quantization.method if self.quantization else "no quantization"
             raise XlaserveError(
                 f"{self.path} was converted with {held}; --quantization {quantization.method} "

@@ -147,6 +147,17 @@ def test_serve_flags_become_one_engine_config(tmp_path) -> None:
     assert cli.serve_config(named).parallel.layout == ShardingLayout.named(tp=2)
 
 
+def test_int8_activations_flag_needs_int4_weights() -> None:
+    args = cli._parser().parse_args(["serve", "--quantization", "int4", "--int8-activations"])
+    assert cli.serve_config(args).quantization == QuantizationConfig("int4", int8_activations=True)
+    for flags, problem in (
+        (["--int8-activations"], "--int8-activations needs --quantization int4"),
+        (["--quantization", "int8", "--int8-activations"], "int8 activations need int4 weights"),
+    ):
+        with pytest.raises(cli.XlaserveError, match=problem):
+            cli.serve_config(cli._parser().parse_args(["serve", *flags]))
+
+
 def test_a_layout_file_and_parallel_sizes_do_not_mix(tmp_path) -> None:
     args = cli._parser().parse_args(
         ["serve", "--sharding-layout", str(tmp_path / "l.json"), "--tensor-parallel-size", "2"]

@@ -16,6 +16,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from engine import naive
 from engine.config import QuantizationConfig
+from engine.models import quant
 from engine.models.quant import QuantizedWeight, dequantize, take_rows, weight_bytes
 from engine.weights import gguf_file, load_params, resolve_model
 from engine.weights.quantize import (
@@ -160,3 +161,17 @@ def test_load_time_quantization_of_a_float_checkpoint(tiny_model, tmp_path: Path
         rtol=1e-5,
         atol=1e-4,
     )
+
+
+def test_int8_activations_mark_every_quantized_weight(tiny_model, tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, tiny_model)
+    is_weight = lambda x: isinstance(x, QuantizedWeight)
+    _, plain = load_params(resolve_model(str(path)), quantization=QuantizationConfig("int4"))
+    config = QuantizationConfig("int4", int8_activations=True)
+    _, marked = load_params(resolve_model(str(path)), quantization=config)
+    for name, w in marked["layers"][0].items():
+        if is_weight(w):
+            assert w.int8_activations == (name not in quant.FLOAT_ACTIVATIONS), name
+    for got, want in zip(jax.tree.leaves(marked), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(got, want)
