@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         {"jax": version("jax")},
     )
     lines += [
-        f"- model: {model.name}, quantization {args.quantization or 'none'}; "
+        f"- model: {model.name}, quantization {args.quantization or 'none'}{' with int8 activations' if args.int8_activations else ''}; "
         f"{args.prompt_len}-token random prompts, greedy decode, synchronous scheduling; "
         f"median of {args.repeats} windows of {args.steps} steps",
         "- ms per step, and its share: host = schedule + build + bookkeeping + postprocess; "
