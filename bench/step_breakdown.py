@@ -97,13 +97,16 @@ def build(model: Path, running: int, args: argparse.Namespace) -> LLMEngine:
     engine = build_engine(
         EngineConfig(
             str(model),
+            dtype=args.dtype,
             quantization=QuantizationConfig(
                 args.quantization, int8_activations=args.int8_activations
             )
             if args.quantization
             else None,
             cache=CacheConfig(
-                num_pages=running * (-(-context // 16) + 1) + 16, enable_prefix_caching=False
+                num_pages=running * (-(-context // 16) + 1) + 16,
+                enable_prefix_caching=False,
+                kv_cache_dtype=args.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=running,
@@ -181,6 +184,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--int8-activations", action="store_true", help="as the server's flag (int4 on CPU)"
     )
+    p.add_argument("--dtype", default=None, help="as the server's flag (None: float32)")
+    p.add_argument("--kv-cache-dtype", default=None, help="as the server's flag")
     p.add_argument("--running", type=int, nargs="+", default=[1, 64])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
@@ -213,7 +218,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         {"jax": version("jax")},
     )
     lines += [
-        f"- model: {model.name}, quantization {args.quantization or 'none'}{' with int8 activations' if args.int8_activations else ''}; "
+        f"- model: {model.name}, quantization {args.quantization or 'none'}"
+        f"{' with int8 activations' if args.int8_activations else ''}, "
+        f"dtype {args.dtype or 'float32'}, kv cache {args.kv_cache_dtype or 'default'}; "
         f"{args.prompt_len}-token random prompts, greedy decode, synchronous scheduling; "
         f"median of {args.repeats} windows of {args.steps} steps",
         "- ms per step, and its share: host = schedule + build + bookkeeping + postprocess; "

@@ -168,7 +168,10 @@ class CacheConfig:
     memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
     # None: the model's dtype, except float32 on CPU, where XLA has no bf16 gather or scatter
-    # (a bf16 cache there costs a copy of the whole pool per layer and step); "int8" / "fp8"
+    # (a bf16 cache there costs a copy of the whole pool per layer and step); "bfloat16" on CPU
+    # is read and written in place by the C++ kernels (pallas_kernels.cpu) where they build,
+    # half the bytes and faster decode attention, but falls back to those copies where they do
+    # not, hence not the default; "int8" / "fp8"
     # (e4m3): one byte per value plus a float32 scale per token and head
     # (pallas_kernels/kv_cache_update/layout.py)
     kv_cache_dtype: str | None = None

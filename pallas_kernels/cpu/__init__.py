@@ -1,10 +1,10 @@
 """CPU kernels in C++ (`kernels.cc`), called from jitted code through `jax.ffi`.
 
 XLA:CPU runs the reference attention's gathers and a one-row product with int8 or int4 weights
-far below the machine's speed (shared/BASELINES.md, bench/RESULTS.md); these two kernels read
-the cache pages and the integers where they lie. Each has a pure-jnp twin that is
-its oracle in the tests and the path on every other platform and wherever the library cannot
-be built.
+far below the machine's speed (shared/BASELINES.md, bench/RESULTS.md), and copies a bfloat16
+cache pool on every scatter into it; these kernels read the cache pages and the integers where
+they lie and write new keys and values in place. Each has a pure-jnp twin that is its oracle in
+the tests and the path on every other platform and wherever the library cannot be built.
 
 The library is compiled once per machine with the system's C++ compiler into
 ~/.cache/xlaserve/cpu-kernels/ (`make` does it at install: `python -m pallas_kernels.cpu`), keyed
@@ -36,7 +36,8 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlaser
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 TARGETS = {"xlaserve_ragged_attention": "XlaserveRaggedAttention",
            "xlaserve_quantized_matmul": "XlaserveQuantizedMatmul",
-           "xlaserve_dense_matmul": "XlaserveDenseMatmul"}  # fmt: skip
+           "xlaserve_dense_matmul": "XlaserveDenseMatmul",
+           "xlaserve_write_kv": "XlaserveWriteKV"}  # fmt: skip
 DENSE_MAX_ROWS = 16  # kDenseMaxRows in kernels.cc
 
 
@@ -90,8 +91,8 @@ def available() -> bool:
 
 
 def ragged_attention(
-    q: jax.Array,  # f32[T, Hq, D]
-    kv_pages: jax.Array,  # f32[num_pages, page_size, 2*Hkv, D]
+    q: jax.Array,  # f[T, Hq, D]
+    kv_pages: jax.Array,  # f32 | bf16[num_pages, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
     page_table: jax.Array,  # i32[S, P]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -103,12 +104,12 @@ def ragged_attention(
 ) -> jax.Array:
     """Ragged paged attention over the paged cache in the contract of
     `pallas_kernels.ragged_paged_attention` (decode, prefill and chunked-prefill rows alike, each
-    row over the keys up to its position); f32[T, Hq, D] with the padding rows zero. Needs
-    `available()`; head_dim 64, 128 or 256 and Hq / Hkv <= 8."""
+    row over the keys up to its position), summed in float32; [T, Hq, D] in q's dtype with the
+    padding rows zero. Needs `available()`; head_dim 64, 128 or 256 and Hq / Hkv <= 8."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call("xlaserve_ragged_attention", out, vmap_method="sequential")
     return call(
-        q,
+        q.astype(jnp.float32),
         kv_pages,
         kv_lens.astype(jnp.int32),
         page_table.astype(jnp.int32),
@@ -117,7 +118,21 @@ def ragged_attention(
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int64(sliding_window or 0),  # 0: no window (an FFI attribute)
         logit_soft_cap=np.float32(logit_soft_cap or 0.0),  # 0: no cap
+    ).astype(q.dtype)
+
+
+def write_kv(
+    kv_pages: jax.Array,  # dtype[num_pages, page_size, 2*Hkv, Dp]
+    rows: jax.Array,  # dtype[T, 2*Hkv, Dp]
+    slots: jax.Array,  # i32[T]; outside [0, num_pages * page_size): not written
+) -> jax.Array:
+    """kv_pages with row t written at slot slots[t], updated in place (the result aliases
+    kv_pages, so under jit with the cache donated nothing else is copied). Needs `available()`."""
+    out = jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)
+    call = jax.ffi.ffi_call(
+        "xlaserve_write_kv", out, vmap_method="sequential", input_output_aliases={0: 0}
     )
+    return call(kv_pages, rows.astype(kv_pages.dtype), slots.astype(jnp.int32))
 
 
 def quantized_matmul(
@@ -172,4 +187,11 @@ def dense_matmul(
     return call(x, w, transposed=np.int64(transposed))
 
 
-__all__ = ["available", "build", "dense_matmul", "quantized_matmul", "ragged_attention"]
+__all__ = [
+    "available",
+    "build",
+    "dense_matmul",
+    "quantized_matmul",
+    "ragged_attention",
+    "write_kv",
+]

@@ -128,6 +128,26 @@ inline F8 Load8(const float* p) {
   return v;
 }
 inline void Store8(float* p, F8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Vector v of a cache row (a key's or a value's D elements). float: elements 8v .. 8v+7. A
+// bfloat16 cache (uint16_t bits) is read 16 values at a time as 8 pairs: a bfloat16 is the top
+// half of a float32, so the pairs' low halves shifted up are the even elements and their high
+// halves masked the odd ones, 2 integer operations per 16 values (widening 8 at a time costs 2
+// per 8). So for bfloat16 the kernel's vectors 2b and 2b+1 hold the even and odd elements of
+// 16b .. 16b+15; q and the accumulators are kept in that order too (`ElementOf`).
+inline F8 LoadVector(const float* row, int v) { return Load8(row + v * kALanes); }
+inline F8 LoadVector(const uint16_t* row, int v) {
+  I32x8 pairs;
+  std::memcpy(&pairs, row + (v / 2) * 2 * kALanes, sizeof(pairs));
+  const I32x8 bits = v % 2 == 0 ? pairs << 16 : pairs & static_cast<int32_t>(0xFFFF0000u);
+  return reinterpret_cast<const F8&>(bits);
+}
+// The element of a row that lane i of vector v holds.
+template <typename T>
+constexpr int64_t ElementOf(int64_t v, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) return v * kALanes + i;
+  return (v / 2) * 2 * kALanes + 2 * i + v % 2;
+}
 inline F8 Splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
 
 inline float Sum8(F8 v) {
@@ -207,9 +227,9 @@ struct HeadState {
 // a plain two-thread sum over the same pages ran at ~36). Asking for a whole chunk at once, before it or before each head's pass,
 // had never been faster: a burst of hundreds of lines overflows the queue of misses. Prefill
 // blocks (R > 1) reread each chunk from cache for many rows and do not prefetch.
-template <int G, int V, int R>
-void AttendChunk(HeadState* const (&st)[R], const float* const (&keys)[kChunk],
-                 const float* const (&ahead)[kChunk], const int (&lo)[R], const int (&hi)[R],
+template <typename T, int G, int V, int R>
+void AttendChunk(HeadState* const (&st)[R], const T* const (&keys)[kChunk],
+                 const T* const (&ahead)[kChunk], const int (&lo)[R], const int (&hi)[R],
                  float soft_cap) {
   int last = 0;  // keys past every row's end are not read
   for (int r = 0; r < R; ++r) last = std::max(last, hi[r]);
@@ -222,14 +242,14 @@ void AttendChunk(HeadState* const (&st)[R], const float* const (&keys)[kChunk],
       for (int b = 0; b < blocks; ++b) {
         F8 partial[kKeyBlock];
         for (int j = 0; j < kKeyBlock; ++j) {
-          const float* k = keys[b * kKeyBlock + j];
+          const T* k = keys[b * kKeyBlock + j];
           if (R == 1 && g == 0) {  // this head's K and V of the next chunk's key j
             const char* next = reinterpret_cast<const char*>(ahead[b * kKeyBlock + j]);
-            for (int byte = 0; byte < 2 * V * kALanes * 4; byte += 64)
+            for (int byte = 0; byte < 2 * V * kALanes * int{sizeof(T)}; byte += 64)
               __builtin_prefetch(next + byte);
           }
-          F8 dot = q[0] * Load8(k);
-          for (int v = 1; v < V; ++v) dot += q[v] * Load8(k + v * kALanes);
+          F8 dot = q[0] * LoadVector(k, 0);
+          for (int v = 1; v < V; ++v) dot += q[v] * LoadVector(k, v);
           partial[j] = dot;
         }
         Store8(&scores[r][g][b * kKeyBlock], TransposeSum(partial));
@@ -286,11 +306,11 @@ void AttendChunk(HeadState* const (&st)[R], const float* const (&keys)[kChunk],
       for (int g = 0; g < G; ++g)
         for (int u = 0; u < VB; ++u) acc[r][g][u] = st[r]->acc[g][v0 + u] * alpha[r][g];
     for (int j = 0; j < last; ++j) {
-      const float* value = keys[j] + (V + v0) * kALanes;
+      const T* value = keys[j] + V * kALanes;
       for (int r = 0; r < R; ++r) {
         for (int g = 0; g < G; ++g) {
           const F8 p = Splat(scores[r][g][j]);
-          for (int u = 0; u < VB; ++u) acc[r][g][u] += p * Load8(value + u * kALanes);
+          for (int u = 0; u < VB; ++u) acc[r][g][u] += p * LoadVector(value, v0 + u);
         }
       }
     }
@@ -304,24 +324,23 @@ void AttendChunk(HeadState* const (&st)[R], const float* const (&keys)[kChunk],
 // share the chunk's K and V from L1. 2 and 4 rows were equally fast, 1 row 15% slower.
 constexpr int kRowBlock = 2;
 
-template <int R>
-using BlockFn = void (*)(HeadState* const (&)[R], const float* const (&)[kChunk],
-                         const float* const (&)[kChunk], const int (&)[R], const int (&)[R],
-                         float);
+template <typename T, int R>
+using BlockFn = void (*)(HeadState* const (&)[R], const T* const (&)[kChunk],
+                         const T* const (&)[kChunk], const int (&)[R], const int (&)[R], float);
 
-template <int R, int V, int... Gs>
-constexpr std::array<BlockFn<R>, sizeof...(Gs)> BlocksFor(std::integer_sequence<int, Gs...>) {
-  return {&AttendChunk<Gs + 1, V, R>...};
+template <typename T, int R, int V, int... Gs>
+constexpr std::array<BlockFn<T, R>, sizeof...(Gs)> BlocksFor(std::integer_sequence<int, Gs...>) {
+  return {&AttendChunk<T, Gs + 1, V, R>...};
 }
 
 // The block function for `group` query heads per kv head and head_dim `dim` (64, 128 or 256),
 // or nullptr.
-template <int R>
-BlockFn<R> PickBlock(int64_t group, int64_t dim) {
+template <typename T, int R>
+BlockFn<T, R> PickBlock(int64_t group, int64_t dim) {
   using Groups = std::make_integer_sequence<int, kMaxGroup>;
-  static constexpr auto d64 = BlocksFor<R, 64 / kALanes>(Groups{});
-  static constexpr auto d128 = BlocksFor<R, 128 / kALanes>(Groups{});
-  static constexpr auto d256 = BlocksFor<R, 256 / kALanes>(Groups{});
+  static constexpr auto d64 = BlocksFor<T, R, 64 / kALanes>(Groups{});
+  static constexpr auto d128 = BlocksFor<T, R, 128 / kALanes>(Groups{});
+  static constexpr auto d256 = BlocksFor<T, R, 256 / kALanes>(Groups{});
   if (group < 1 || group > kMaxGroup) return nullptr;
   if (dim == 64) return d64[group - 1];
   if (dim == 128) return d128[group - 1];
@@ -332,15 +351,15 @@ BlockFn<R> PickBlock(int64_t group, int64_t dim) {
 // Keys [first[r], end[r]) of one sequence into the states of R rows (each row's kv heads at
 // states[r], kv_heads of them), kChunk keys at a time, read through the page table; within a
 // chunk every head is done before the next chunk, so the pages are swept nearly in order.
-template <int R>
-void AttendRange(const AttentionShape& d, BlockFn<R> block, const float* kv_pages,
+template <typename T, int R>
+void AttendRange(const AttentionShape& d, BlockFn<T, R> block, const T* kv_pages,
                  const int32_t* table, const int64_t (&first)[R], const int64_t (&end)[R],
                  float soft_cap, HeadState* const (&states)[R]) {
   const int64_t dim = d.head_dim, kv_heads = d.combined / 2;
   const int64_t k0 = *std::min_element(first, first + R), k1 = *std::max_element(end, end + R);
   if (k0 >= k1) return;
   int64_t column = k0 / d.page_size, offset = k0 % d.page_size;  // of the next key
-  const auto chunk_slots = [&](int64_t start, const float* (&slots)[kChunk]) {
+  const auto chunk_slots = [&](int64_t start, const T* (&slots)[kChunk]) {
     const int64_t n = std::min<int64_t>(kChunk, k1 - start);
     for (int64_t j = 0; j < n; ++j) {  // walk the page table without a division per key
       slots[j] = kv_pages + (table[column] * d.page_size + offset) * d.combined * dim;
@@ -348,8 +367,8 @@ void AttendRange(const AttentionShape& d, BlockFn<R> block, const float* kv_page
     }
     for (int64_t j = n; j < kChunk; ++j) slots[j] = slots[n - 1];  // masked lanes
   };
-  const float* slots[kChunk];  // each key's slot: its 2*Hkv combined heads
-  const float* next[kChunk];   // the next chunk's (the last chunk's own at the end)
+  const T* slots[kChunk];  // each key's slot: its 2*Hkv combined heads
+  const T* next[kChunk];   // the next chunk's (the last chunk's own at the end)
   chunk_slots(k0, slots);
   for (int64_t start = k0; start < k1; start += kChunk) {
     if (start + kChunk < k1) chunk_slots(start + kChunk, next);
@@ -360,7 +379,7 @@ void AttendRange(const AttentionShape& d, BlockFn<R> block, const float* kv_page
       hi[r] = static_cast<int>(std::clamp<int64_t>(end[r] - start, 0, kChunk));
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const float *keys[kChunk], *ahead[kChunk];
+      const T *keys[kChunk], *ahead[kChunk];
       for (int64_t j = 0; j < kChunk; ++j) {
         keys[j] = slots[j] + 2 * h * dim;
         ahead[j] = next[j] + 2 * h * dim;
@@ -373,12 +392,16 @@ void AttendRange(const AttentionShape& d, BlockFn<R> block, const float* kv_page
   }
 }
 
+// q's vectors are in the cache's element order (`ElementOf`).
+template <typename T>
 void InitStates(const AttentionShape& d, const float* q, float sm_scale, HeadState* states) {
   const int64_t group = d.num_q_heads / (d.combined / 2), vectors = d.head_dim / kALanes;
   for (int64_t h = 0; h < d.combined / 2; ++h) {
     for (int64_t g = 0; g < group; ++g) {
+      const float* head = q + (h * group + g) * d.head_dim;
       for (int64_t v = 0; v < vectors; ++v) {
-        states[h].q[g][v] = Load8(q + ((h * group + g) * vectors + v) * kALanes) * sm_scale;
+        for (int64_t i = 0; i < kALanes; ++i)
+          states[h].q[g][v][i] = head[ElementOf<T>(v, i)] * sm_scale;
         states[h].acc[g][v] = F8{};
       }
       states[h].m[g] = -INFINITY;
@@ -388,7 +411,8 @@ void InitStates(const AttentionShape& d, const float* q, float sm_scale, HeadSta
 }
 
 // The output row of one sequence from the states of its `parts` key ranges (flash-decoding's
-// merge: each part's sums rescaled to the overall maximum).
+// merge: each part's sums rescaled to the overall maximum), back in the row's element order.
+template <typename T>
 void FinishRow(const AttentionShape& d, const HeadState* states, int64_t parts, float* out) {
   const int64_t kv_heads = d.combined / 2, group = d.num_q_heads / kv_heads;
   const int64_t vectors = d.head_dim / kALanes;
@@ -405,8 +429,9 @@ void FinishRow(const AttentionShape& d, const HeadState* states, int64_t parts, 
         for (int64_t v = 0; v < vectors; ++v) acc[v] += st.acc[g][v] * w;
       }
       const float inv = l > 0 ? 1.0f / l : 0.0f;
+      float* head = out + (h * group + g) * d.head_dim;
       for (int64_t v = 0; v < vectors; ++v)
-        Store8(out + ((h * group + g) * vectors + v) * kALanes, acc[v] * inv);
+        for (int64_t i = 0; i < kALanes; ++i) head[ElementOf<T>(v, i)] = acc[v][i] * inv;
     }
   }
 }
@@ -414,18 +439,20 @@ void FinishRow(const AttentionShape& d, const HeadState* states, int64_t parts, 
 // Every query row of the ragged batch: row t of sequence s sits at position
 // kv_len - q_len + (t - cu_q_lens[s]) and sees the keys up to it (within the window), so a
 // decode and each row of a prefill chunk are the same work item. Rows past the real sequences
-// are zero.
-ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> kv_pages, ffi::Buffer<ffi::S32> kv_lens,
-                               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
-                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
-                               float sm_scale, int64_t sliding_window, float logit_soft_cap) {
+// are zero. T is the cache's element: float, or uint16_t holding bfloat16 bits.
+template <typename T>
+ffi::Error RaggedAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                           ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                           ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window,
+                           float logit_soft_cap) {
   const auto qd = q.dimensions(), kd = kv_pages.dimensions();
   const AttentionShape d{qd[0], qd[1], qd[2], kd[1], kd[2], page_table.dimensions()[1],
                          kv_lens.dimensions()[0]};
+  const T* pages = static_cast<const T*>(kv_pages.untyped_data());
   const int64_t group = d.num_q_heads / (d.combined / 2);
-  const BlockFn<1> single = PickBlock<1>(group, d.head_dim);
-  const BlockFn<kRowBlock> multi = PickBlock<kRowBlock>(group, d.head_dim);
+  const BlockFn<T, 1> single = PickBlock<T, 1>(group, d.head_dim);
+  const BlockFn<T, kRowBlock> multi = PickBlock<T, kRowBlock>(group, d.head_dim);
   if (single == nullptr || kd[3] != d.head_dim) {
     return ffi::Error::InvalidArgument("ragged attention: head_dim 64, 128 or 256, Hq/Hkv <= 8");
   }
@@ -471,9 +498,9 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       if (it.rows == 1) {
         HeadState* const states[1] = {scratch.data()};
         const int64_t first[1] = {window_start(it.len)}, end[1] = {it.len};
-        InitStates(d, q.typed_data() + it.row * row_size, sm_scale, states[0]);
-        AttendRange<1>(d, single, kv_pages.typed_data(), table, first, end, logit_soft_cap, states);
-        FinishRow(d, states[0], 1, o + it.row * row_size);
+        InitStates<T>(d, q.typed_data() + it.row * row_size, sm_scale, states[0]);
+        AttendRange<T, 1>(d, single, pages, table, first, end, logit_soft_cap, states);
+        FinishRow<T>(d, states[0], 1, o + it.row * row_size);
         return;
       }
       HeadState* states[kRowBlock];
@@ -483,11 +510,10 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         states[r] = scratch.data() + r * kv_heads;
         end[r] = std::min(it.len + row, max_len);
         first[r] = window_start(end[r]);
-        InitStates(d, q.typed_data() + (it.row + row) * row_size, sm_scale, states[r]);
+        InitStates<T>(d, q.typed_data() + (it.row + row) * row_size, sm_scale, states[r]);
       }
-      AttendRange<kRowBlock>(d, multi, kv_pages.typed_data(), table, first, end, logit_soft_cap,
-                             states);
-      for (int64_t r = 0; r < it.rows; ++r) FinishRow(d, states[r], 1, o + (it.row + r) * row_size);
+      AttendRange<T, kRowBlock>(d, multi, pages, table, first, end, logit_soft_cap, states);
+      for (int64_t r = 0; r < it.rows; ++r) FinishRow<T>(d, states[r], 1, o + (it.row + r) * row_size);
     });
     return ffi::Error::Success();
   }
@@ -507,12 +533,53 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t k0 = std::min(r.len, from + part * step), k1 = std::min(r.len, k0 + step);
     HeadState* const states[1] = {split.get() + item * kv_heads};
     const int64_t first[1] = {k0}, end[1] = {k1};
-    InitStates(d, q.typed_data() + r.row * row_size, sm_scale, states[0]);
-    AttendRange<1>(d, single, kv_pages.typed_data(), page_table.typed_data() + r.seq * d.table_width,
-                   first, end, logit_soft_cap, states);
+    InitStates<T>(d, q.typed_data() + r.row * row_size, sm_scale, states[0]);
+    AttendRange<T, 1>(d, single, pages, page_table.typed_data() + r.seq * d.table_width, first,
+                      end, logit_soft_cap, states);
   });
   for (size_t i = 0; i < rows.size(); ++i)
-    FinishRow(d, split.get() + i * parts * kv_heads, parts, o + rows[i].row * row_size);
+    FinishRow<T>(d, split.get() + i * parts * kv_heads, parts, o + rows[i].row * row_size);
+  return ffi::Error::Success();
+}
+
+ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::AnyBuffer kv_pages, ffi::Buffer<ffi::S32> kv_lens,
+                               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
+                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
+                               float sm_scale, int64_t sliding_window, float logit_soft_cap) {
+  const auto attend = [&](auto element) {
+    using T = decltype(element);
+    return RaggedAttention<T>(pool, q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, out,
+                              sm_scale, sliding_window, logit_soft_cap);
+  };
+  switch (kv_pages.element_type()) {
+    case ffi::DataType::F32: return attend(float{});
+    case ffi::DataType::BF16: return attend(uint16_t{});
+    default: return ffi::Error::InvalidArgument("ragged attention: a float32 or bfloat16 cache");
+  }
+}
+
+// ---- cache write ----------------------------------------------------------------------------
+
+// Copies row t of `rows` [T, 2*Hkv, Dp] into slot slots[t] of the pages [P, page_size, 2*Hkv,
+// Dp], in place: the result aliases the pages (`input_output_aliases`). Slots outside the pool
+// (padding rows, -1) are skipped. XLA:CPU's own scatter copies a bfloat16 pool in and out on
+// every call (pallas_kernels/kv_cache_update/layout.py): 23 ms for a 50 MB pool here.
+ffi::Error WriteKVImpl(ffi::AnyBuffer pages, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> slots,
+                       ffi::Result<ffi::AnyBuffer> out) {
+  const auto pd = pages.dimensions();
+  const int64_t tokens = slots.dimensions()[0], num_slots = pd[0] * pd[1];
+  const size_t slot_bytes = pages.size_bytes() / std::max<int64_t>(num_slots, 1);
+  if (rows.element_type() != pages.element_type() || rows.size_bytes() != tokens * slot_bytes) {
+    return ffi::Error::InvalidArgument("write kv: rows must be [T, 2*Hkv, Dp] of the pages' dtype");
+  }
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != pages.untyped_data()) std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
+  const char* src = static_cast<const char*>(rows.untyped_data());
+  const int32_t* slot = slots.typed_data();
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slot[t] >= 0 && slot[t] < num_slots)
+      std::memcpy(dst + slot[t] * slot_bytes, src + t * slot_bytes, slot_bytes);
   return ffi::Error::Success();
 }
 
@@ -1124,7 +1191,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveRaggedAttention, RaggedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_pages [P, ps, 2Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()         // kv_pages [P, ps, 2Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table [S, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S+1]
@@ -1154,3 +1221,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDenseMatmul, DenseMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N]; transposed: [N, K]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
                                   .Attr<int64_t>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveWriteKV, WriteKVImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // pages [P, ps, 2Hkv, Dp]
+                                  .Arg<ffi::AnyBuffer>()          // rows [T, 2Hkv, Dp]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
+                                  .Ret<ffi::AnyBuffer>());        // pages, aliased

@@ -4,8 +4,9 @@ and prefill alike.
 The reference spends most of its time in XLA:CPU gathers, transposes and masks; the kernel walks
 each row's pages in place. Measured on the 2-core AVX2 machine (SmolLM2 shapes, 30 layers):
 64 decodes at ~330 keys 336 ms in the reference, 106 ms in the kernel; bench/RESULTS.md.
-Combinations the kernel does not take (a bf16 or quantized cache, a head_dim other than 64, 128
-or 256, more than 8 query heads per kv head), or a machine where it could not be built, run the
+The kernel reads a float32 or bfloat16 cache (widened to float32 as it is read; every sum is
+float32). Combinations it does not take (a quantized cache, a head_dim other than 64, 128 or
+256, more than 8 query heads per kv head), or a machine where it could not be built, run the
 reference.
 """
 
@@ -25,7 +26,8 @@ def kernel_supports(q: jax.Array, kv_pages: jax.Array, kv_scales: jax.Array | No
     head_dim, group = q.shape[2], q.shape[1] // (kv_pages.shape[2] // 2)
     return (
         kv_scales is None
-        and q.dtype == kv_pages.dtype == jnp.float32
+        and kv_pages.dtype in (jnp.float32, jnp.bfloat16)
+        and jnp.issubdtype(q.dtype, jnp.floating)
         and head_dim in HEAD_DIMS
         and group <= MAX_GROUP
         and cpu.available()

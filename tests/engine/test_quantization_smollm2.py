@@ -146,7 +146,7 @@ def forced_top1(cfg, params, tokenizer, sequences, **cache: object) -> np.ndarra
     )
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8", "fp8"])
 def test_quantized_kv_cache_next_token_agreement(
     float32, tokenizer, float32_continuations, kv_dtype: str
 ) -> None:
@@ -165,4 +165,6 @@ def test_quantized_kv_cache_next_token_agreement(
     print(f"{kv_dtype} KV cache: next token agrees at {agreed:.1%} of {expected.size} positions")
     # Measured on 708 positions: int8 99.2% (6 flips), fp8 97.6% (17); a flip is a near-tie
     # that the quantization error tips over. The bounds allow ~3x the flips measured.
-    assert agreed >= (0.97 if kv_dtype == "int8" else 0.93)
+    # bfloat16 (on CPU: the C++ kernels' write and attention over a bfloat16 cache) keeps 8
+    # mantissa bits where int8 keeps ~7.
+    assert agreed >= (0.93 if kv_dtype == "fp8" else 0.97)

@@ -1,6 +1,7 @@
 """The C++ CPU kernels (`pallas_kernels.cpu`) against independent oracles: the dense float64
-attention oracle (batches with NaN in every unused page, slot and padding row) and NumPy
-float64 products with the dequantized weights."""
+attention oracle (batches with NaN in every unused page, slot and padding row, float32 and
+bfloat16 caches), NumPy float64 products with the dequantized weights, and NumPy's scatter for
+the cache write."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.models import layers, quant
 from engine.models.quant import QuantizedWeight, dequantize
 from engine.weights.quantize import quantize_int8, to_device
 from pallas_kernels import cpu
+from pallas_kernels.kv_cache_update import write_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.cpu import kernel_supports
 
@@ -48,11 +50,14 @@ def assert_kernel_matches_oracle(
     case: RaggedCase, scale: float, window: int | None, cap: float | None = None
 ) -> None:
     """The kernel's real rows against the float64 dense oracle: float32 sums in another order,
-    and exp a polynomial (~2e-7 relative)."""
-    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
+    and exp a polynomial (~2e-7 relative). The kernel is called directly with q as float32 (a
+    bfloat16 case's q holds bfloat16 values), so that the result is not rounded to bfloat16 on
+    the way out as the `ragged_paged_attention` contract's would be."""
+    q = case.q.astype(np.float32)
+    arrays = (q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
     attend = jax.jit(
-        lambda *a: ragged_paged_attention(
-            *a, sm_scale=scale, sliding_window=window, logit_soft_cap=cap, impl="cpu"
+        lambda *a: cpu.ragged_attention(
+            *a, sm_scale=scale, sliding_window=window, logit_soft_cap=cap
         )
     )
     got = case.real_rows(np.asarray(attend(*map(jnp.asarray, arrays))))
@@ -60,8 +65,10 @@ def assert_kernel_matches_oracle(
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("kind", "heads", "head_dim", "page_size", "window", "cap"), CASES)
 def test_attention_matches_dense_oracle(
+    dtype: jnp.dtype,
     kind: str,
     heads: tuple[int, int],
     head_dim: int,
@@ -79,7 +86,7 @@ def test_attention_matches_dense_oracle(
         num_kv_heads=heads[1],
         head_dim=head_dim,
         page_size=page_size,
-        dtype=jnp.float32,
+        dtype=dtype,
         pad_tokens=5,
         pad_seqs=2,
         pages_per_seq=-(-max(kv_lens) // page_size) + 2,
@@ -88,14 +95,17 @@ def test_attention_matches_dense_oracle(
     assert_kernel_matches_oracle(case, head_dim**-0.5, window, cap)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("kv_len", "window"), [(1, None), (37, None), (300, None), (300, 40)])
-def test_a_lone_sequence_splits_its_keys_over_the_threads(kv_len: int, window: int | None) -> None:
+def test_a_lone_sequence_splits_its_keys_over_the_threads(
+    kv_len: int, window: int | None, dtype: jnp.dtype
+) -> None:
     # Fewer sequences than twice the threads: each one's keys are cut into ranges whose softmax
     # sums are merged afterwards (the path a single-stream decode takes).
     rng = np.random.default_rng(kv_len)
     case = make_case(
         rng, q_lens=[1], kv_lens=[kv_len], num_q_heads=9, num_kv_heads=3, head_dim=64,
-        page_size=16, dtype=jnp.float32, pad_tokens=3, pad_seqs=1, pages_per_seq=20,
+        page_size=16, dtype=dtype, pad_tokens=3, pad_seqs=1, pages_per_seq=20,
     )  # fmt: skip
     assert_kernel_matches_oracle(case, 0.125, window)
 
@@ -365,3 +375,29 @@ def test_model_products_of_few_rows_take_the_dense_kernel() -> None:
             jax.jit(lambda x, fn=fn, weight=weight: fn(x, weight)), platforms=["tpu"]
         )(jax.ShapeDtypeStruct((4, 64), jnp.float32))
         assert "xlaserve_dense_matmul" not in tpu.mlir_module()
+
+
+def test_a_bfloat16_cache_is_written_in_place_by_the_kernel() -> None:
+    # XLA:CPU's scatter copies a bfloat16 pool in and out on every call; the kernel writes the
+    # new rows where they go, in the donated buffer. Against NumPy's scatter, bit for bit, with
+    # NaN in every other slot and the padding tokens (slot -1) skipped.
+    rng = np.random.default_rng(5)
+    pages, page_size, kv_heads, dim, tokens = 32, 16, 2, 64, 9
+    pool = np.full((pages, page_size, 2 * kv_heads, dim), np.nan, jnp.bfloat16)
+    k = rng.standard_normal((tokens, kv_heads, dim)).astype(jnp.bfloat16)
+    v = rng.standard_normal((tokens, kv_heads, dim)).astype(jnp.bfloat16)
+    slots = rng.choice(pages * page_size, tokens, replace=False).astype(np.int32)
+    slots[[2, 5]] = -1
+
+    write = jax.jit(write_kv, donate_argnums=0)
+    cache = jnp.asarray(pool)
+    compiled = write.lower(cache, k, v, slots).compile().as_text()
+    assert "xlaserve_write_kv" in compiled and "scatter" not in compiled
+    out = write(cache, k, v, slots)
+    assert cache.is_deleted()
+
+    want = pool.reshape(pages * page_size, 2 * kv_heads, dim).copy()
+    rows = np.stack([k, v], axis=2).reshape(tokens, 2 * kv_heads, dim)  # K0 V0 K1 V1
+    want[slots[slots >= 0]] = rows[slots >= 0]
+    got = np.asarray(out).reshape(want.shape)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
