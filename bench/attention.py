@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/attention.py [--repeats N] [--write-results]
 
-CPU section (always): the pure-jnp reference, the CPU production path, on a decode batch of
-32 sequences x 1,024 context and one 2,048-token prefill, for SmolLM2-like heads (Hq=9, Hkv=3,
-D=64) and Llama-like heads (Hq=32, Hkv=8, D=128), and one SmolLM2 sequence decoding at 512.
+CPU section (always): the pure-jnp reference and the C++ kernel (the CPU production path), on
+a decode batch of 32 sequences x 1,024 context and one 2,048-token prefill, for SmolLM2-like
+heads (Hq=9, Hkv=3, D=64) and Llama-like heads (Hq=32, Hkv=8, D=128), one SmolLM2 sequence
+decoding at 512 and 64 at 400; decodes over float32 and bfloat16 caches.
 Decode reports KV bytes read per second, prefill causal FLOP/s (4 * q * ctx * Hq * D / 2);
 compare with shared/BASELINES.md (~30 GB/s read, 150-230 GFLOP/s f32 on the 2-core CPU).
 
@@ -143,10 +144,11 @@ HEADER = (
 
 def cpu_workloads() -> list[Workload]:
     # One sequence at a typical chat depth: the per-call overhead of a batch-1 decode step.
-    out = [Workload("decode 1x512 (smollm2)", (1,), (512,), HEADS["smollm2"], "float32")]
-    out.append(
-        Workload("decode 64x400 (smollm2)", (1,) * 64, (400,) * 64, HEADS["smollm2"], "float32")
-    )
+    smollm2 = HEADS["smollm2"]
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        out.append(Workload("decode 1x512 (smollm2)", (1,), (512,), smollm2, dtype))
+        out.append(Workload("decode 64x400 (smollm2)", (1,) * 64, (400,) * 64, smollm2, dtype))
     for model, heads in HEADS.items():
         for dtype in ("float32", "bfloat16"):
             out.append(Workload(f"decode 32x1024 ({model})", (1,) * 32, (1024,) * 32, heads, dtype))
@@ -155,14 +157,13 @@ def cpu_workloads() -> list[Workload]:
 
 
 def cpu_section(repeats: int) -> list[str]:
-    """The reference for every workload; the C++ kernel ("cpu") too where it applies (it takes
-    float32 caches only)."""
-    lines = []
-    for w in cpu_workloads():
-        kernel = w.dtype == "float32"
-        for impl in ("reference", "cpu") if kernel else ("reference",):
-            lines.append(row(w, impl, time_attention(w, impl, repeats), None))
-    return lines
+    """The reference and the C++ kernel ("cpu", float32 and bfloat16 caches) for every
+    workload."""
+    return [
+        row(w, impl, time_attention(w, impl, repeats), None)
+        for w in cpu_workloads()
+        for impl in ("reference", "cpu")
+    ]
 
 
 def hbm_peak_gbs(repeats: int, gib: int = 2) -> float:
