@@ -138,7 +138,7 @@ def write_kv(
 def quantized_matmul(
     x: jax.Array,  # f32[T, K]
     values: jax.Array,  # i8[K, N] | u8[K/2, N]; transposed: i8[N, K] | u8[N, K/2]
-    scales: jax.Array,  # f32[K/G, N]; transposed: f32[N, K/G]
+    scales: jax.Array,  # f32[K/G, N]; transposed: f32[N, K/G]; f16 with int8_activations too
     offsets: jax.Array | None,  # like scales, or None
     *,
     bits: int,
@@ -155,7 +155,8 @@ def quantized_matmul(
     scales) + x @ offsets, where x̂ is each row of x rounded to int8 in blocks of 32 as
     llama.cpp's Q8_0 does (scale max |x| / 127, round half to even), the integer products summed
     exactly (AVX-512 VNNI's byte dot products where the CPU has them); a row's result does not
-    depend on the other rows."""
+    depend on the other rows. Its scales and offsets may be float16 (llama.cpp's Q4_1 keeps
+    them so), read as float32."""
     n = values.shape[0] if transposed else values.shape[1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call("xlaserve_quantized_matmul", out, vmap_method="sequential")

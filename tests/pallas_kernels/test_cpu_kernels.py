@@ -242,16 +242,24 @@ INT8_ACTIVATION_PRODUCTS = [
 ]
 
 
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16])
 @pytest.mark.parametrize(("shape", "group", "offsets"), INT8_ACTIVATION_PRODUCTS)
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 13, 64])
 def test_int8_activation_product_matches_numpy(
-    shape: tuple[int, int], group: int, offsets: bool, rows: int
+    shape: tuple[int, int], group: int, offsets: bool, rows: int, scale_dtype: jnp.dtype
 ) -> None:
     # x rounded to int8 meets the int4 integers times their scales; the offsets meet the exact x.
+    # Scales and offsets in float32 or float16 (what weights marked for int8 activations keep).
     rng = np.random.default_rng(zlib.crc32(repr((shape, group, offsets, rows)).encode()))
     w = random_weight(rng, shape, 4, group, axis=0)
-    if not offsets:
-        w = QuantizedWeight(w.values, w.scales, None, 4, 0, "float32")
+    w = QuantizedWeight(
+        w.values,
+        w.scales.astype(scale_dtype),
+        w.offsets.astype(scale_dtype) if offsets else None,
+        4,
+        0,
+        "float32",
+    )
     scaled = np.asarray(dequantize(QuantizedWeight(w.values, w.scales, None, 4, 0, "float32")))
     x = rng.standard_normal((rows, shape[0])).astype(np.float32)
     x[0, :32] = 0.0  # a block of zeros (scale 0)
@@ -277,10 +285,19 @@ def test_weights_marked_for_int8_activations_take_them() -> None:
     w = random_weight(rng, (576, 192), 4, 32, axis=0)
     marked = quant.with_int8_activations({"w": w})["w"]
     assert marked.int8_activations and marked.values is w.values
+    # Their scales and offsets are kept as float16 (llama.cpp's Q4_1 does the same).
+    np.testing.assert_array_equal(marked.scales, np.asarray(w.scales).astype(np.float16))
+    np.testing.assert_array_equal(marked.offsets, np.asarray(w.offsets).astype(np.float16))
     x = rng.standard_normal((3, 576)).astype(np.float32)
     got = np.asarray(jax.jit(lambda x: quant.product(x, marked, transposed=False))(x))
     rounded = cpu.quantized_matmul(
-        x, w.values, w.scales, w.offsets, bits=4, transposed=False, int8_activations=True
+        x,
+        w.values,
+        marked.scales,
+        marked.offsets,
+        bits=4,
+        transposed=False,
+        int8_activations=True,
     )
     np.testing.assert_array_equal(got, np.asarray(rounded))
     plain = np.asarray(jax.jit(lambda x: quant.product(x, w, transposed=False))(x))
