@@ -5,6 +5,7 @@ the cache write."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -306,6 +307,12 @@ def test_weights_marked_for_int8_activations_take_them() -> None:
     dense = np.asarray(dequantize(table), np.float64)
     got = jax.jit(lambda x: quant.product(x, table, transposed=True))(x)
     np.testing.assert_allclose(np.asarray(got), x @ dense.T, rtol=1e-4, atol=1e-3)
+    # float16 scales on a weight not marked: only the 8-bit path reads them, so the product
+    # dequantizes (the float product of the same weight), where the kernel would refuse them.
+    unmarked = dataclasses.replace(marked, int8_activations=False)
+    dense = np.asarray(dequantize(unmarked), np.float64)
+    got = jax.jit(lambda x: quant.product(x, unmarked, transposed=False))(x)
+    np.testing.assert_allclose(np.asarray(got), x @ dense, rtol=1e-4, atol=1e-4)
 
 
 def test_model_weights_take_the_kernel_on_cpu() -> None:
