@@ -128,11 +128,11 @@ class QuantizationConfig:
     groups of `group_size` along the input axis; the embedding/output layer is int8 in groups
     of 32 under both (see engine/weights/quantize.py).
 
-    `int8_activations` (int4 only): on CPU, decode-sized products with int4 weights round each
-    activation row to int8 in blocks of 32, as llama.cpp's Q8_0 does, and sum the products in
-    integers (`pallas_kernels.cpu.quantized_matmul`); the key and value projections, the output
-    layer, prefill chunks of more than 64 rows and other platforms keep float activations
-    (`engine.models.quant.with_int8_activations`)."""
+    `int8_activations` (int4 only): on CPU, decode-sized products with the int4 weights and the
+    int8 output layer round each activation row to int8 in blocks of 32, as llama.cpp's Q8_0
+    does, and sum the products in integers (`pallas_kernels.cpu.quantized_matmul`); the key and
+    value projections, prefill chunks of more than 64 rows and other platforms keep float
+    activations (`engine.models.quant.with_int8_activations`)."""
 
     method: str  # "int8" | "int4"
     group_size: int = 32  # int4 only: 32, 64 or 128

@@ -548,7 +548,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--int8-activations",
         action="store_true",
         help="with --quantization int4 on CPU: decode rows are rounded to int8 in blocks of 32 "
-        "(llama.cpp's Q8_0) for integer dot products with the int4 weights",
+        "(llama.cpp's Q8_0) for integer dot products with the int4 weights and the int8 output "
+        "layer",
     )
     parser.add_argument(
         "--kv-cache-dtype",

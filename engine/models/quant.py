@@ -173,9 +173,14 @@ def _kernel_takes(w: QuantizedWeight, transposed: bool) -> bool:
 
 
 def _int8_activations(w: QuantizedWeight, transposed: bool) -> bool:
-    """Whether the kernel rounds x to int8 for `w`: asked for, and an int4 [In, Out] weight in
-    groups of 32 (the output layer and int8 weights keep float activations)."""
-    return w.int8_activations and w.bits == 4 and not transposed and w.group_size % 32 == 0
+    """Whether the kernel rounds x to int8 for `w`: asked for, and either an int4 [In, Out]
+    weight in groups of 32k or an int8 [Out, In] table (the output layer, as llama.cpp's Q8_0
+    one) in groups of 32k with In a multiple of 64; other weights keep float activations."""
+    if not w.int8_activations or w.group_size % 32 != 0:
+        return False
+    if transposed:
+        return w.bits == 8 and w.offsets is None and w.shape[1] % 64 == 0
+    return w.bits == 4
 
 
 def take_rows(w: jax.Array | QuantizedWeight, ids: jax.Array) -> jax.Array:
@@ -196,11 +201,11 @@ FLOAT_ACTIVATIONS = ("wk", "wv")
 
 def with_int8_activations(params: Any) -> Any:
     """The params with the quantized weights marked for 8-bit activations (`product`), but
-    those named in FLOAT_ACTIVATIONS. Those the kernel then takes (int4 [In, Out] weights in
-    groups of 32k) keep their scales and offsets as float16, as llama.cpp's Q4_1 blocks do:
-    exact for weights read from such blocks, a rounding of at most 2^-11 relative for others
-    (above 6e-5, float16's smallest normal number), and 20 bytes read per 32 weights instead
-    of 24."""
+    those named in FLOAT_ACTIVATIONS. Those the kernel then takes (int4 [In, Out] weights and
+    int8 tables in groups of 32k) keep their scales and offsets as float16, as llama.cpp's Q4_1
+    and Q8_0 blocks do: exact for weights read from such blocks, a rounding of at most 2^-11
+    relative for others (above 6e-5, float16's smallest normal number), and 20 bytes read per
+    32 int4 weights instead of 24 (34 per 32 int8 ones instead of 36)."""
 
     def mark(path: tuple[Any, ...], x: Any) -> Any:
         name = getattr(path[-1], "key", None) if path else None
@@ -208,7 +213,11 @@ def with_int8_activations(params: Any) -> Any:
             return x
         marked = dataclasses.replace(x, int8_activations=True)
         matrix = x.values.ndim in (2, 3) and x.axis in (0, x.values.ndim - 2)
-        if not (matrix and _int8_activations(marked, transposed=False)):
+        table = x.values.ndim == 2 and x.axis == 1  # [V, D] grouped along D: embedding, lm_head
+        takes = (matrix and _int8_activations(marked, transposed=False)) or (
+            table and _int8_activations(marked, transposed=True)
+        )
+        if not takes:
             return marked
         offsets = None if x.offsets is None else x.offsets.astype(jnp.float16)
         return dataclasses.replace(marked, scales=x.scales.astype(jnp.float16), offsets=offsets)

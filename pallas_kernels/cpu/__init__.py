@@ -151,11 +151,12 @@ def quantized_matmul(
     once for all of them (transposed: 4 table rows at a time dequantized into L1). Shapes the
     kernel takes: `engine.models.quant._kernel_takes`.
 
-    With `int8_activations` (int4 [K, N] weights, G a multiple of 32, N of 64): x̂ @ (values *
-    scales) + x @ offsets, where x̂ is each row of x rounded to int8 in blocks of 32 as
-    llama.cpp's Q8_0 does (scale max |x| / 127, round half to even), the integer products summed
-    exactly (AVX-512 VNNI's byte dot products where the CPU has them); a row's result does not
-    depend on the other rows. Its scales and offsets may be float16 (llama.cpp's Q4_1 keeps
+    With `int8_activations` (int4 [K, N] weights, G a multiple of 32, N of 64; or an int8 [N, K]
+    table without offsets, G a multiple of 32, K of 64 up to 4096): x̂ @ (values * scales) +
+    x @ offsets, where x̂ is each row of x rounded to int8 in blocks of 32 as llama.cpp's Q8_0
+    does (scale max |x| / 127, round half to even), the integer products summed exactly
+    (AVX-512 VNNI's byte dot products where the CPU has them); a row's result does not depend
+    on the other rows. Its scales and offsets may be float16 (llama.cpp's Q4_1 and Q8_0 keep
     them so), read as float32."""
     n = values.shape[0] if transposed else values.shape[1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)

@@ -826,18 +826,20 @@ constexpr int64_t kQBlock = 32, kQTile = 64, kQWidth = 512, kQStripe = 8, kQFewR
 constexpr int64_t kQAhead = 16;  // byte rows between a load and its prefetch (into L2)
 typedef int8_t I8x32 __attribute__((vector_size(32)));
 
-// Each row of x as int8 in the order the dots take it: per 8 consecutive k, first the even ones
-// (they meet the low nibbles of 4 byte rows), then the odd ones; one scale per block, and the
+// Each row of x as int8 in the order the dots take it: for int4 weights (`nibble_order`), per 8
+// consecutive k, first the even ones (they meet the low nibbles of 4 byte rows), then the odd
+// ones; for int8 tables, k's own order. One scale and the integers' sum per block, and the
 // exact sum of x over each weight group (for the offsets).
 struct Int8Rows {
   int64_t k_size, blocks, groups;
   std::unique_ptr<int8_t[]> q;
   std::unique_ptr<float[]> scale, group_sum;
+  std::unique_ptr<int32_t[]> q_sum;
 
-  Int8Rows(const float* x, int64_t rows, int64_t k_size, int64_t group)
+  Int8Rows(const float* x, int64_t rows, int64_t k_size, int64_t group, bool nibble_order)
       : k_size(k_size), blocks(k_size / kQBlock), groups(k_size / group),
         q(new int8_t[rows * k_size]), scale(new float[rows * blocks]),
-        group_sum(new float[rows * groups]()) {
+        group_sum(new float[rows * groups]()), q_sum(new int32_t[rows * blocks]) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t b = 0; b < blocks; ++b) {
         const float* xb = x + r * k_size + b * kQBlock;
@@ -856,10 +858,18 @@ struct Int8Rows {
           q0[i] = static_cast<int8_t>(__builtin_rintf(t0[i]));
           q1[i] = static_cast<int8_t>(__builtin_rintf(t1[i]));
         }
-        const I8x32 ordered = __builtin_shufflevector(
-            q0, q1, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
-            16, 18, 20, 22, 17, 19, 21, 23, 24, 26, 28, 30, 25, 27, 29, 31);
+        const I8x32 ordered =
+            nibble_order
+                ? __builtin_shufflevector(
+                      q0, q1, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
+                      16, 18, 20, 22, 17, 19, 21, 23, 24, 26, 28, 30, 25, 27, 29, 31)
+                : __builtin_shufflevector(q0, q1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                          14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26,
+                                          27, 28, 29, 30, 31);
         std::memcpy(q.get() + r * k_size + b * kQBlock, &ordered, sizeof(ordered));
+        int32_t sum = 0;
+        for (int i = 0; i < kLanes; ++i) sum += q0[i] + q1[i];
+        q_sum[r * blocks + b] = sum;
         group_sum[r * groups + b * kQBlock / group] += Sum(v0) + Sum(v1);
       }
   }
@@ -1061,6 +1071,140 @@ void Int4Int8Matmul(ffi::ThreadPool& pool, const Int8Rows& xr, int64_t rows,
   });
 }
 
+// ---- int8 tables with 8-bit activations -----------------------------------------------------
+
+// y f32[T, N] = x̂ @ w^T for an int8 table w[n, k] = q[n, k] * scale[n, k / G] (G a multiple of
+// 32, K of 64): the output layer as llama.cpp computes it from Q8_0 blocks, each row of x
+// rounded as for the int4 products (in k's own order). kQTableRows table rows at a time are
+// transposed into L1 so that lane j of a vector holds table row j's 4 consecutive k
+// (`TransposeTile`), and every row of x meets them there through `Dot4`: 16 outputs of 4 k per
+// instruction with VNNI, where the float path dequantizes each weight and then spends a
+// multiply-add per weight and row. vpdpbusd multiplies unsigned bytes by signed ones, so the
+// table's bytes are flipped to q + 128 on the way (an xor) and 128 times each block's sum of
+// x̂'s integers is taken off. A row's blocks are summed in order, whatever the other rows.
+constexpr int64_t kQTableRows = 16, kQTableBlock = 512;  // table rows per tile, per work item
+constexpr int64_t kMaxTableGroups = 128;  // K / 32 for K <= 4096
+
+// One stage of a 16 x 16 transpose of 32-bit elements: rows i and i + B (bit B of i clear)
+// swap their off-diagonal B x B blocks. Stages B = 1, 2, 4, 8 transpose the whole.
+template <int B, int... E>
+inline void SwapBlocks(I32x16& a, I32x16& b, std::integer_sequence<int, E...>) {
+  const I32x16 lo = __builtin_shufflevector(a, b, ((E & B) ? 16 + E - B : E)...);
+  const I32x16 hi = __builtin_shufflevector(a, b, ((E & B) ? 16 + E : E + B)...);
+  a = lo;
+  b = hi;
+}
+template <int B>
+inline void TransposeStage(I32x16 (&m)[16]) {
+  for (int i = 0; i < 16; ++i)
+    if (!(i & B)) SwapBlocks<B>(m[i], m[i + B], std::make_integer_sequence<int, 16>{});
+}
+
+inline float ScaleToFloat(float s) { return s; }
+inline float ScaleToFloat(Half s) { return HalfToFloat(s.bits); }
+
+template <typename T>
+inline I32x16 LoadI32(const T* p) {
+  I32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Transpose(I32x16 (&m)[16]) {
+  TransposeStage<1>(m);
+  TransposeStage<2>(m);
+  TransposeStage<4>(m);
+  TransposeStage<8>(m);
+}
+
+// Table rows [n0, n0 + 16) as tile[k / 4]: a vector whose 32-bit lane j holds bytes
+// 4(k/4) .. 4(k/4) + 3 of row n0 + j, each q + 128; and scales[g]: group g's scales of the 16
+// rows. The last tile of a table may have fewer rows (`count`); its lanes past them repeat the
+// last row.
+template <typename S>
+void TransposeTile(const int8_t* rows, const S* row_scales, int64_t k_size, int64_t groups,
+                   int64_t count, I32x16* tile, F16* scales) {
+  const I32x16 flip = I32x16{} + static_cast<int32_t>(0x80808080u);
+  I32x16 m[16];
+  for (int64_t k0 = 0; k0 < k_size; k0 += 64) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      m[j] = LoadI32(rows + std::min<int64_t>(j, count - 1) * k_size + k0) ^ flip;
+    Transpose(m);
+    std::copy(m, m + 16, tile + k0 / 4);
+  }
+  // The scales: as floats in rows of `groups` (one past the last for the loads below), then
+  // transposed 16 groups at a time.
+  float flat[16 * (kMaxTableGroups + 1)];
+  if (count == 16) {  // 16 rows of scales lie together: 16 * groups, a multiple of 16
+    for (int64_t i = 0; i < 16 * groups; i += kLanes) Store(flat + i, LoadScales(row_scales + i));
+  } else {
+    for (int j = 0; j < 16; ++j)
+      for (int64_t g = 0; g < groups; ++g)
+        flat[j * groups + g] =
+            ScaleToFloat(row_scales[std::min<int64_t>(j, count - 1) * groups + g]);
+  }
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) m[j] = LoadI32(flat + j * groups + g0);
+    Transpose(m);
+    for (int64_t g = g0; g < std::min(groups, g0 + 16); ++g)
+      std::memcpy(&scales[g], &m[g - g0], sizeof(F16));
+  }
+}
+
+// Rows [r0, r0 + Rows) of x against one transposed tile (`scales[g]`: group g's scales of its
+// rows), their `count` outputs stored into y.
+template <int Rows>
+void TableDots(const Int8Rows& xr, int64_t r0, const I32x16* tile, const F16* scales, float* y,
+               int64_t n_size, int64_t count) {
+  F16 out[Rows] = {};
+  for (int64_t b = 0; b < xr.blocks; ++b) {
+    I32x16 acc[Rows][2];  // 2 chains of 4 instructions, not one of 8
+    for (int r = 0; r < Rows; ++r) {
+      acc[r][0] = I32x16{} + -128 * xr.q_sum[(r0 + r) * xr.blocks + b];
+      acc[r][1] = I32x16{};
+    }
+    for (int s = 0; s < kQBlock / 4; ++s) {
+      const auto* w = reinterpret_cast<const uint8_t*>(tile + b * kQBlock / 4 + s);
+      for (int r = 0; r < Rows; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xr.q.get() + (r0 + r) * xr.k_size + b * kQBlock + 4 * s, 4);
+        acc[r][s % 2] = Dot4(acc[r][s % 2], w, x4);
+      }
+    }
+    const F16 scale = scales[b * kQBlock / xr.group()];
+    for (int r = 0; r < Rows; ++r)
+      out[r] += __builtin_convertvector(acc[r][0] + acc[r][1], F16) *
+                (scale * xr.scale[(r0 + r) * xr.blocks + b]);
+  }
+  for (int r = 0; r < Rows; ++r) std::memcpy(y + (r0 + r) * n_size, &out[r], count * sizeof(float));
+}
+
+template <typename S>
+void Int8TableMatmul(ffi::ThreadPool& pool, const Int8Rows& xr, int64_t rows,
+                     const int8_t* values, const S* scales, int64_t n_size, float* y) {
+  const int64_t k_size = xr.k_size, groups = xr.groups;
+  ParallelFor(pool, (n_size + kQTableBlock - 1) / kQTableBlock, [&](int64_t item) {
+    std::unique_ptr<I32x16[]> tile(new I32x16[k_size / 4]);
+    std::unique_ptr<F16[]> tile_scales(new F16[groups]);
+    const int64_t end = std::min(n_size, (item + 1) * kQTableBlock);
+    for (int64_t n0 = item * kQTableBlock; n0 < end; n0 += kQTableRows) {
+      const int64_t count = std::min(kQTableRows, end - n0);
+      TransposeTile(values + n0 * k_size, scales + n0 * groups, k_size, groups, count,
+                    tile.get(), tile_scales.get());
+      for (int64_t r = 0; r < rows; r += 4) {
+        float* yr = y + n0;
+        switch (std::min<int64_t>(4, rows - r)) {
+          case 4: TableDots<4>(xr, r, tile.get(), tile_scales.get(), yr, n_size, count); break;
+          case 3: TableDots<3>(xr, r, tile.get(), tile_scales.get(), yr, n_size, count); break;
+          case 2: TableDots<2>(xr, r, tile.get(), tile_scales.get(), yr, n_size, count); break;
+          default: TableDots<1>(xr, r, tile.get(), tile_scales.get(), yr, n_size, count);
+        }
+      }
+    }
+  });
+}
+
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::AnyBuffer values, ffi::AnyBuffer scales,
                                ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> y,
@@ -1084,19 +1228,31 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* xp = x.typed_data();
   const auto* q = static_cast<const uint8_t*>(values.untyped_data());
   float* yp = y->typed_data();
+  const auto run_with = [&](auto&& matmul) {  // with the scales' element type
+    if (scale_type == ffi::DataType::F16) matmul(static_cast<const Half*>(scales.untyped_data()));
+    else matmul(static_cast<const float*>(scales.untyped_data()));
+  };
+  if (int8_activations && transposed) {
+    if (bits != 8 || has_offsets || group % kQBlock != 0 || k_size % 64 != 0 ||
+        k_size / kQBlock > kMaxTableGroups)
+      return ffi::Error::InvalidArgument("quantized matmul: 8-bit activations need an int8 "
+                                         "table without offsets, groups of 32k, K of 64k <= 4096");
+    const Int8Rows xr(xp, rows, k_size, group, /*nibble_order=*/false);
+    run_with([&](const auto* s) {
+      Int8TableMatmul(pool, xr, rows, reinterpret_cast<const int8_t*>(q), s, n_size, yp);
+    });
+    return ffi::Error::Success();
+  }
   if (int8_activations) {
-    if (bits != 4 || transposed || group % kQBlock != 0 || n_size % kQTile != 0)
+    if (bits != 4 || group % kQBlock != 0 || n_size % kQTile != 0)
       return ffi::Error::InvalidArgument("quantized matmul: 8-bit activations need int4 [In, Out] "
                                          "weights, groups of 32k and 64k outputs");
-    const Int8Rows xr(xp, rows, k_size, group);
-    const auto run = [&](auto* scale_type_tag) {
-      using S = std::remove_pointer_t<decltype(scale_type_tag)>;
+    const Int8Rows xr(xp, rows, k_size, group, /*nibble_order=*/true);
+    run_with([&](const auto* s) {
+      using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
       const S* o = has_offsets ? static_cast<const S*>(offsets.untyped_data()) : nullptr;
-      Int4Int8Matmul(pool, xr, rows, q, static_cast<const S*>(scales.untyped_data()), o, n_size,
-                     yp);
-    };
-    if (scale_type == ffi::DataType::F16) run(static_cast<Half*>(nullptr));
-    else run(static_cast<float*>(nullptr));
+      Int4Int8Matmul(pool, xr, rows, q, s, o, n_size, yp);
+    });
     return ffi::Error::Success();
   }
   if (scale_type != ffi::DataType::F32)

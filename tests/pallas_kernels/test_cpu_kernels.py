@@ -279,9 +279,46 @@ def test_int8_activation_product_matches_numpy(
         np.testing.assert_array_equal(np.asarray(product(x[i : i + 1])), got[i : i + 1])
 
 
+# ([Out, In] table shape, group): the output layer's Q8_0 groups of 32 with a last tile of 8
+# table rows (tiles of 16), groups of 64, a last tile of 15 rows, and the widest In (4096).
+INT8_ACTIVATION_TABLES = [((1000, 576), 32), ((256, 640), 64), ((303, 128), 32), ((40, 4096), 32)]
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16])
+@pytest.mark.parametrize(("shape", "group"), INT8_ACTIVATION_TABLES)
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 13, 64])
+def test_int8_activation_table_matches_numpy(
+    shape: tuple[int, int], group: int, rows: int, scale_dtype: jnp.dtype
+) -> None:
+    # An int8 table as the output layer: x rounded to int8 meets its integers times their
+    # scales, as llama.cpp's Q8_0 x Q8_0 dot products do. The integers span all of int8
+    # (the kernel flips them to unsigned bytes for VNNI and takes the difference off).
+    rng = np.random.default_rng(zlib.crc32(repr((shape, group, rows, "table")).encode()))
+    w = random_weight(rng, shape, 8, group, axis=1)
+    values = np.asarray(w.values).copy()
+    values[0, :64] = -128
+    values[-1, :64] = 127
+    w = QuantizedWeight(jnp.asarray(values), w.scales.astype(scale_dtype), None, 8, 1, "float32")
+    dense = np.asarray(dequantize(w), np.float64)
+    x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+    x[0, :32] = 0.0  # a block of zeros (scale 0)
+    want = round_activations(x) @ dense.T
+    product = jax.jit(
+        lambda x: cpu.quantized_matmul(
+            x, w.values, w.scales, None, bits=8, transposed=True, int8_activations=True
+        )
+    )
+    got = np.asarray(product(x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # Each row alone gives its row of the batch bit for bit.
+    for i in {0, rows - 1}:
+        np.testing.assert_array_equal(np.asarray(product(x[i : i + 1])), got[i : i + 1])
+
+
 def test_weights_marked_for_int8_activations_take_them() -> None:
-    # quant.product as the model calls it: a marked int4 [In, Out] weight gets the kernel's
-    # rounded activations (not the float product); the output layer keeps float activations.
+    # quant.product as the model calls it: a marked int4 [In, Out] weight and a marked int8
+    # table get the kernel's rounded activations (not the float product); an int4 table keeps
+    # float activations.
     rng = np.random.default_rng(12)
     w = random_weight(rng, (576, 192), 4, 32, axis=0)
     marked = quant.with_int8_activations({"w": w})["w"]
@@ -307,6 +344,29 @@ def test_weights_marked_for_int8_activations_take_them() -> None:
     dense = np.asarray(dequantize(table), np.float64)
     got = jax.jit(lambda x: quant.product(x, table, transposed=True))(x)
     np.testing.assert_allclose(np.asarray(got), x @ dense.T, rtol=1e-4, atol=1e-3)
+    int8_table = random_weight(rng, (256, 576), 8, 32, axis=1)
+    marked_table = quant.with_int8_activations({"embed": int8_table})["embed"]
+    np.testing.assert_array_equal(
+        marked_table.scales, np.asarray(int8_table.scales).astype(np.float16)
+    )
+    got = np.asarray(jax.jit(lambda x: quant.product(x, marked_table, transposed=True))(x))
+    rounded = cpu.quantized_matmul(
+        x,
+        marked_table.values,
+        marked_table.scales,
+        None,
+        bits=8,
+        transposed=True,
+        int8_activations=True,
+    )
+    np.testing.assert_array_equal(got, np.asarray(rounded))
+    dense = np.asarray(dequantize(int8_table), np.float64)
+    assert np.abs(got - x @ dense.T).max() > 1e-4 * np.abs(got).max()
+    # A token lookup reads the marked table's rows as the float16 scales give them.
+    ids = jnp.asarray([0, 255, 7])
+    np.testing.assert_allclose(
+        np.asarray(quant.take_rows(marked_table, ids)), dense[np.asarray(ids)], rtol=1e-3, atol=1e-6
+    )
     # float16 scales on a weight not marked: only the 8-bit path reads them, so the product
     # dequantizes (the float product of the same weight), where the kernel would refuse them.
     unmarked = dataclasses.replace(marked, int8_activations=False)
