@@ -36,6 +36,12 @@ def test_library_builds() -> None:
     assert cpu.available()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def registered() -> None:
+    # The kernels' FFI targets, for any subset of these tests (-k), not only after the above.
+    cpu.available()
+
+
 # (kind, (Hq, Hkv), D, page_size, window, cap): GQA ratios 1, 3, 8; head dims 64-256.
 CASES = [
     ("decode", (9, 3), 64, 16, None, None),
