@@ -115,11 +115,12 @@ def test_int4_weights_greedy_agreement(float32, tokenizer, float32_continuations
 
 def test_int4_weights_with_int8_activations(float32, tokenizer) -> None:
     # The rows rounded to int8 (llama.cpp's Q8_0) meet the int4 weights and the int8 output
-    # layer: next-token KL from the float model over 64 tokens (a prefill the kernel takes; the int4 weights alone are this
-    # GGUF's own Q4_1 blocks again, KL ~1e-8). A lone request is not compared with a batch:
-    # their greedy continuations parted after 2-48 tokens (measured with every step on the
-    # kernel, whose rows are independent bit for bit), as a last-bit difference elsewhere in
-    # the step moves a rounding by a whole step where float activations absorb it.
+    # layer: next-token KL from the float model over 64 tokens (a prefill the kernel takes;
+    # the int4 weights alone are this GGUF's own Q4_1 blocks again, KL ~1e-8). A lone request
+    # is not compared with a batch: their greedy continuations parted after 2-48 tokens
+    # (measured with every step on the kernel, whose rows are independent bit for bit), as a
+    # last-bit difference elsewhere in the step moves a rounding by a whole step where float
+    # activations absorb it.
     cfg, params = float32
     marked = with_int8_activations(quantize_params(params, QuantizationConfig("int4"), cfg.dtype))
     ids = np.asarray(tokenizer.encode(TALE_OF_TWO_CITIES)[:KERNEL_MAX_ROWS], np.int32)[None]
