@@ -12,10 +12,10 @@ schedule + build + launch + wait + bookkeeping + postprocess with nothing overla
 - device step: `run_batch` and `fetch` (the inputs moved, the compiled parts dispatched and
   run, the sampled tokens read back), split by difference: the same engine is built again
   with the attention kernel replaced by a stand-in that costs nothing (zeros shaped like its
-  output), and again with every weight product (`layers.dense`, `layers.unembed`: the seven
-  projections of every layer and the output layer) replaced by one. What a part adds to the
-  step is its cost; "rest" is the remainder (dispatch, transfers, norms, rope, KV writes,
-  sampling).
+  output), and again with every weight product (`layers.dense`, `layers.dense_all`,
+  `layers.unembed`: the seven projections of every layer and the output layer) replaced by
+  one. What a part adds to the step is its cost; "rest" is the remainder (dispatch,
+  transfers, norms, rope, KV writes, sampling).
 
 The stand-ins keep a data dependency on their input (x * 0 added), so XLA cannot drop the work
 that feeds them; the step with them computes garbage tokens, which a timing does not read.
@@ -60,14 +60,14 @@ VARIANTS = ("as is", "no attention", "no products")
 HOST = ("schedule", "build", "bookkeeping", "postprocess")
 
 
-def _costless(real: Callable[..., jax.Array], x_arg: int = 0) -> Callable[..., jax.Array]:
-    """A stand-in for `real` that returns zeros of its output's shape and dtype, depending on
+def _costless(real: Callable[..., Any], x_arg: int = 0) -> Callable[..., Any]:
+    """A stand-in for `real` that returns zeros of its outputs' shapes and dtypes, depending on
     its argument `x_arg` (times zero) so that what computes that argument still runs."""
 
-    def stand_in(*args: Any, **kwargs: Any) -> jax.Array:
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
         out = jax.eval_shape(lambda *a: real(*a, **kwargs), *args)
-        x = args[x_arg]
-        return jnp.zeros(out.shape, out.dtype) + (jnp.sum(x) * 0).astype(out.dtype)
+        dependency = jnp.sum(args[x_arg]) * 0
+        return jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype) + dependency.astype(o.dtype), out)
 
     return stand_in
 
@@ -78,7 +78,7 @@ def variant(name: str) -> Iterator[None]:
     patches = {
         "as is": [],
         "no attention": [(attention, "ragged_paged_attention")],
-        "no products": [(layers, "dense"), (layers, "unembed")],
+        "no products": [(layers, "dense"), (layers, "dense_all"), (layers, "unembed")],
     }[name]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr in patches]
     for owner, attr, real in saved:

@@ -110,6 +110,14 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
     return jax.lax.platform_dependent(x, cpu=kernel, default=xla)
 
 
+def dense_all(x: jax.Array, ws: Sequence[Weight]) -> list[jax.Array]:
+    """[dense(x, w) for w in ws]: x against several weights (gate and up), quantized ones the
+    kernel takes alike in one call (`quant.products`)."""
+    if all(isinstance(w, QuantizedWeight) and w.values.ndim == 2 for w in ws):
+        return [y.astype(x.dtype) for y in quant.products(x, ws)]
+    return [dense(x, w) for w in ws]
+
+
 def unembed(x: jax.Array, table: Weight) -> jax.Array:
     """f[T, D] against an embedding table f[V, D] -> f32[T, V] logits."""
     if isinstance(table, QuantizedWeight):
@@ -162,8 +170,7 @@ def project_from_heads(x: jax.Array, w: Weight) -> jax.Array:
 
 def gated_mlp(x: jax.Array, p: Params, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """SwiGLU (silu) or GeGLU (gelu): down(act(x @ gate) * (x @ up))."""
-    gate = dense(x, p["w_gate"])
-    up = dense(x, p["w_up"])
+    gate, up = dense_all(x, (p["w_gate"], p["w_up"]))
     return dense(activation(gate) * up, p["w_down"])
 
 

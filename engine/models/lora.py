@@ -97,12 +97,15 @@ def project_from_heads(x: jax.Array, p: Params, target: str) -> jax.Array:
 
 def dense(x: jax.Array, p: Params, target: str) -> jax.Array:
     """`layers.dense` with the adapters' products: f[T, In] -> f[T, Out]."""
-    out = layers.dense(x, p[target])
+    return _plus_delta(layers.dense(x, p[target]), x, p, target)
+
+
+def _plus_delta(out: jax.Array, x: jax.Array, p: Params, target: str) -> jax.Array:
     return out + delta(x, p, target) if _adapted(p, target) else out
 
 
 def gated_mlp(x: jax.Array, p: Params, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """`layers.gated_mlp` with the adapters' products on gate, up and down."""
-    gate = dense(x, p, "w_gate")
-    up = dense(x, p, "w_up")
+    gate, up = layers.dense_all(x, (p["w_gate"], p["w_up"]))
+    gate, up = _plus_delta(gate, x, p, "w_gate"), _plus_delta(up, x, p, "w_up")
     return dense(activation(gate) * up, p, "w_down")

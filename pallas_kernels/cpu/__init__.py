@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -36,6 +37,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlaser
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 TARGETS = {"xlaserve_ragged_attention": "XlaserveRaggedAttention",
            "xlaserve_quantized_matmul": "XlaserveQuantizedMatmul",
+           "xlaserve_quantized_matmuls": "XlaserveQuantizedMatmuls",
            "xlaserve_dense_matmul": "XlaserveDenseMatmul",
            "xlaserve_write_kv": "XlaserveWriteKV"}  # fmt: skip
 DENSE_MAX_ROWS = 16  # kDenseMaxRows in kernels.cc
@@ -174,6 +176,25 @@ def quantized_matmul(
     )
 
 
+def quantized_matmuls(
+    x: jax.Array,  # f32[T, K]
+    weights: Sequence[tuple[jax.Array, jax.Array, jax.Array | None]],  # values, scales, offsets
+) -> list[jax.Array]:
+    """[x @ w for w in weights] for int4 [K, N_i] weights in the same groups along K (a multiple
+    of 32), N_i multiples of 64, scales (and offsets, all or none) of one float dtype, with
+    8-bit activations: `quantized_matmul(..., int8_activations=True)` of each, bit for bit, in
+    one call, so x is rounded once and one parallel loop covers every weight's columns (gate
+    and up of an MLP)."""
+    has_offsets = weights[0][2] is not None
+    if any((offsets is not None) != has_offsets for _, _, offsets in weights):
+        raise ValueError("quantized_matmuls: offsets for every weight or for none")
+    out = [jax.ShapeDtypeStruct((x.shape[0], v.shape[1]), jnp.float32) for v, _, _ in weights]
+    call = jax.ffi.ffi_call("xlaserve_quantized_matmuls", out, vmap_method="sequential")
+    dummy = jnp.zeros((1, 1), jnp.float32)
+    args = [a if a is not None else dummy for w in weights for a in w]
+    return list(call(x.astype(jnp.float32), *args, has_offsets=np.int64(has_offsets)))
+
+
 def dense_matmul(
     x: jax.Array,  # f32[T, K], T <= DENSE_MAX_ROWS
     w: jax.Array,  # f32[K, N] (N a multiple of 16); transposed: f32[N, K] (K a multiple of 16)
@@ -194,6 +215,7 @@ __all__ = [
     "build",
     "dense_matmul",
     "quantized_matmul",
+    "quantized_matmuls",
     "ragged_attention",
     "write_kv",
 ]

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -1033,35 +1034,69 @@ void Stripe(const Int8Rows& xr, int64_t rows, const uint8_t* values, const S* sc
   }
 }
 
+// An int4 [K, N] weight of an int4 x int8 product, and where its result goes.
+template <typename S>
+struct Int4Product {
+  const uint8_t* values;
+  const S* scales;
+  const S* offsets;  // or nullptr
+  int64_t n_size;
+  float* y;  // [rows, n_size]
+};
+
+// The products of the same rows of x with one or more weights (gate and up) in one parallel
+// loop: their column ranges (or tiles) are work items of one ParallelFor, so the pool's helper
+// is woken once and the rows are rounded once. A product's result is the same alone or with
+// others, bit for bit.
 template <typename S>
 void Int4Int8Matmul(ffi::ThreadPool& pool, const Int8Rows& xr, int64_t rows,
-                    const uint8_t* values, const S* scales, const S* offsets,
-                    int64_t n_size, float* y) {
+                    const std::vector<Int4Product<S>>& products) {
   const int64_t stripes = (xr.blocks + kQStripe - 1) / kQStripe;
+  const int64_t unit = rows <= kQFewRows ? kQWidth : kQTile;
+  struct Columns {
+    const Int4Product<S>* product;
+    int64_t c0, at;  // the first column, and where the product's columns start in `partial`
+  };
+  std::vector<Columns> columns;
+  int64_t n_total = 0;
+  for (const Int4Product<S>& w : products) {
+    for (int64_t c0 = 0; c0 < w.n_size; c0 += unit) columns.push_back({&w, c0, n_total});
+    n_total += w.n_size;
+  }
+  const int64_t ranges = static_cast<int64_t>(columns.size());
   if (rows <= kQFewRows) {
-    const int64_t ranges = (n_size + kQWidth - 1) / kQWidth;
-    std::unique_ptr<float[]> partial(new float[stripes * rows * n_size]);
+    std::unique_ptr<float[]> partial(new float[stripes * rows * n_total]);
     ParallelFor(pool, stripes * ranges, [&](int64_t item) {
-      const int64_t s = item / ranges, c0 = item % ranges * kQWidth;
-      const int64_t width = std::min(kQWidth, n_size - c0);
-      float* p = partial.get() + s * rows * n_size + c0;
-      for (int64_t r = 0; r < rows; ++r) std::fill_n(p + r * n_size, width, 0.0f);
-      Stripe(xr, rows, values, scales, offsets, n_size, s, c0, width, p, n_size);
+      const int64_t s = item / ranges;
+      const Columns& c = columns[item % ranges];
+      const Int4Product<S>& w = *c.product;
+      const int64_t width = std::min(kQWidth, w.n_size - c.c0);
+      float* p = partial.get() + s * rows * n_total + c.at + c.c0;
+      for (int64_t r = 0; r < rows; ++r) std::fill_n(p + r * n_total, width, 0.0f);
+      Stripe(xr, rows, w.values, w.scales, w.offsets, w.n_size, s, c.c0, width, p, n_total);
     });
-    for (int64_t i = 0; i < rows * n_size; i += kLanes) {
-      F16 sum = Load(partial.get() + i);
-      for (int64_t s = 1; s < stripes; ++s) sum += Load(partial.get() + s * rows * n_size + i);
-      Store(y + i, sum);
+    int64_t at = 0;
+    for (const Int4Product<S>& w : products) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < w.n_size; i += kLanes) {
+          const float* p = partial.get() + r * n_total + at + i;
+          F16 sum = Load(p);
+          for (int64_t s = 1; s < stripes; ++s) sum += Load(p + s * rows * n_total);
+          Store(w.y + r * w.n_size + i, sum);
+        }
+      at += w.n_size;
     }
     return;
   }
-  ParallelFor(pool, n_size / kQTile, [&](int64_t tile) {
-    const int64_t c0 = tile * kQTile;
+  ParallelFor(pool, ranges, [&](int64_t item) {
+    const Int4Product<S>& w = *columns[item].product;
+    const int64_t c0 = columns[item].c0, n_size = w.n_size;
+    float* y = w.y;
     std::unique_ptr<float[]> p(new float[rows * kQTile]);
     for (int64_t r = 0; r < rows; ++r) std::fill_n(y + r * n_size + c0, kQTile, 0.0f);
     for (int64_t s = 0; s < stripes; ++s) {
       std::fill_n(p.get(), rows * kQTile, 0.0f);
-      Stripe(xr, rows, values, scales, offsets, n_size, s, c0, kQTile, p.get(), kQTile);
+      Stripe(xr, rows, w.values, w.scales, w.offsets, n_size, s, c0, kQTile, p.get(), kQTile);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t v = 0; v < kQTile; v += kLanes) {
           float* out = y + r * n_size + c0 + v;
@@ -1251,7 +1286,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     run_with([&](const auto* s) {
       using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
       const S* o = has_offsets ? static_cast<const S*>(offsets.untyped_data()) : nullptr;
-      Int4Int8Matmul(pool, xr, rows, q, s, o, n_size, yp);
+      Int4Int8Matmul<S>(pool, xr, rows, {{q, s, o, n_size, yp}});
     });
     return ffi::Error::Success();
   }
@@ -1285,6 +1320,61 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         NkTableRows<4>(xs, rows, k_size, q, s, o, group, n_size, n, count, w.get(), yp);
     }
   });
+  return ffi::Error::Success();
+}
+
+// The same rows of x against several int4 [K, N_i] weights with 8-bit activations (gate and
+// up): x is rounded once and every product's columns are items of one parallel loop. Args after
+// x: values, scales and offsets (or a dummy) of each weight; one result per weight.
+ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                ffi::RemainingArgs weights, ffi::RemainingRets ys,
+                                int64_t has_offsets) {
+  const int64_t rows = x.dimensions()[0], k_size = x.dimensions()[1];
+  const int64_t count = static_cast<int64_t>(ys.size());
+  const auto invalid = [](const char* what) {
+    return ffi::Error::InvalidArgument(std::string("quantized matmuls: ") + what);
+  };
+  if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count)
+    return invalid("need values, scales and offsets for each result");
+  struct Parts {
+    ffi::AnyBuffer values, scales, offsets;
+    float* y;
+  };
+  std::vector<Parts> parts;
+  for (int64_t i = 0; i < count; ++i) {
+    const auto values = weights.get<ffi::AnyBuffer>(3 * i);
+    const auto scales = weights.get<ffi::AnyBuffer>(3 * i + 1);
+    const auto offsets = weights.get<ffi::AnyBuffer>(3 * i + 2);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!values || !scales || !offsets || !y) return invalid("arguments are not buffers");
+    parts.push_back({*values, *scales, *offsets, (*y)->typed_data()});
+    const auto vd = values->dimensions(), sd = scales->dimensions(), yd = (*y)->dimensions();
+    const ffi::DataType scale_type = parts[0].scales.element_type();
+    if (vd.size() != 2 || sd.size() != 2 || yd.size() != 2 || 2 * vd[0] != k_size ||
+        yd[0] != rows || vd[1] != yd[1] || sd[1] != yd[1] || yd[1] % kQTile != 0 ||
+        sd[0] <= 0 || k_size % sd[0] != 0 || (k_size / sd[0]) % kQBlock != 0 ||
+        sd[0] != parts[0].scales.dimensions()[0] ||
+        values->element_type() != ffi::DataType::U8 ||
+        (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16) ||
+        scales->element_type() != scale_type ||
+        (has_offsets && offsets->element_type() != scale_type))
+      return invalid("need int4 [K, N] weights (N of 64k) in the same groups of 32k, with "
+                     "scales and offsets of one float dtype");
+  }
+  const int64_t group = k_size / parts[0].scales.dimensions()[0];
+  const Int8Rows xr(x.typed_data(), rows, k_size, group, /*nibble_order=*/true);
+  const auto run = [&](const auto* tag) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    std::vector<Int4Product<S>> products;
+    for (const Parts& w : parts)
+      products.push_back({static_cast<const uint8_t*>(w.values.untyped_data()),
+                          static_cast<const S*>(w.scales.untyped_data()),
+                          has_offsets ? static_cast<const S*>(w.offsets.untyped_data()) : nullptr,
+                          w.values.dimensions()[1], w.y});
+    Int4Int8Matmul(pool, xr, rows, products);
+  };
+  if (parts[0].scales.element_type() == ffi::DataType::F16) run(static_cast<const Half*>(nullptr));
+  else run(static_cast<const float*>(nullptr));
   return ffi::Error::Success();
 }
 
@@ -1415,6 +1505,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQuantizedMatmul, QuantizedMatmulImpl,
                                   .Attr<int64_t>("transposed")
                                   .Attr<int64_t>("has_offsets")
                                   .Attr<int64_t>("int8_activations"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQuantizedMatmuls, QuantizedMatmulsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .RemainingArgs()  // values u8, scales, offsets per weight
+                                  .RemainingRets()  // y [T, N_i] f32 per weight
+                                  .Attr<int64_t>("has_offsets"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDenseMatmul, DenseMatmulImpl,
                               ffi::Ffi::Bind()

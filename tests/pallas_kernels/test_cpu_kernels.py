@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import shutil
 import zlib
 
@@ -283,6 +284,81 @@ def test_int8_activation_product_matches_numpy(
     # Each row alone gives its row of the batch bit for bit (the few-row and many-row paths).
     for i in {0, rows - 1}:
         np.testing.assert_array_equal(np.asarray(product(x[i : i + 1])), got[i : i + 1])
+
+
+def int4_weight(rng: np.random.Generator, shape, group: int, scale_dtype, offsets: bool):
+    w = random_weight(rng, shape, 4, group, axis=0)
+    offsets = w.offsets.astype(scale_dtype) if offsets else None
+    return QuantizedWeight(w.values, w.scales.astype(scale_dtype), offsets, 4, 0, "float32")
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16])
+@pytest.mark.parametrize(
+    ("widths", "group", "offsets"), [((1536, 1536), 32, True), ((64, 640, 128), 64, False)]
+)
+@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+def test_several_weights_in_one_call_match_numpy_and_one_call_each(
+    widths: tuple[int, ...], group: int, offsets: bool, rows: int, scale_dtype: jnp.dtype
+) -> None:
+    # gate and up of an MLP in one call: each product as numpy's rounded-activation oracle
+    # gives it, and bit for bit as the kernel gives it alone (the few-row and many-row paths).
+    rng = np.random.default_rng(zlib.crc32(repr((widths, group, rows)).encode()))
+    k = 576
+    ws = [int4_weight(rng, (k, n), group, scale_dtype, offsets) for n in widths]
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[-1, 32:64] = 0.0  # a block of zeros (scale 0)
+    got = jax.jit(
+        lambda x: cpu.quantized_matmuls(x, [(w.values, w.scales, w.offsets) for w in ws])
+    )(x)
+    assert [g.shape for g in got] == [(rows, n) for n in widths]
+    for w, y in zip(ws, got, strict=True):
+        scaled = np.asarray(dequantize(dataclasses.replace(w, offsets=None)), np.float64)
+        want = round_activations(x) @ scaled
+        if offsets:
+            want += x.astype(np.float64) @ np.repeat(
+                np.asarray(w.offsets, np.float64), group, axis=0
+            )
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        alone = cpu.quantized_matmul(
+            x, w.values, w.scales, w.offsets, bits=4, transposed=False, int8_activations=True
+        )
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(alone))
+
+
+def test_several_weights_in_one_call_refuse_what_they_do_not_share() -> None:
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 576)), jnp.float32)
+    a = int4_weight(rng, (576, 128), 32, jnp.float16, offsets=True)
+    b = int4_weight(rng, (576, 128), 64, jnp.float16, offsets=True)
+    with pytest.raises(ValueError, match="offsets for every weight or for none"):
+        cpu.quantized_matmuls(x, [(a.values, a.scales, a.offsets), (a.values, a.scales, None)])
+    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape("need int4 [K, N] weights")):
+        jax.block_until_ready(
+            cpu.quantized_matmuls(
+                x, [(a.values, a.scales, a.offsets), (b.values, b.scales, b.offsets)]
+            )
+        )
+
+
+def test_gate_and_up_take_one_call_as_the_model_makes_it() -> None:
+    # layers.gated_mlp's gate and up, marked for int8 activations: one kernel call in the
+    # compiled step, the same values as one `dense` each; an unmarked pair takes one call each.
+    rng = np.random.default_rng(21)
+    gate, up, down = (
+        random_weight(rng, s, 4, 32, axis=0) for s in ((576, 1536), (576, 1536), (1536, 576))
+    )
+    marked = quant.with_int8_activations({"w_gate": gate, "w_up": up, "w_down": down})
+    x = jnp.asarray(rng.standard_normal((3, 576)), jnp.float32)
+    for p, fused in ((marked, True), ({"w_gate": gate, "w_up": up, "w_down": down}, False)):
+        both = jax.jit(lambda x, p: layers.dense_all(x, (p["w_gate"], p["w_up"])))
+        hlo = both.lower(x, p).compile().as_text()
+        assert hlo.count("xlaserve_quantized_matmuls") == (1 if fused else 0)
+        each = [jax.jit(layers.dense)(x, p[name]) for name in ("w_gate", "w_up")]
+        for y, want in zip(both(x, p), each, strict=True):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+        mlp = jax.jit(lambda x, p: layers.gated_mlp(x, p, jax.nn.silu))(x, p)
+        want = jax.jit(layers.dense)(jax.nn.silu(each[0]) * each[1], p["w_down"])
+        np.testing.assert_allclose(np.asarray(mlp), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 # ([Out, In] table shape, group): the output layer's Q8_0 groups of 32 with a last tile of 8
