@@ -1357,7 +1357,9 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         values->element_type() != ffi::DataType::U8 ||
         (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16) ||
         scales->element_type() != scale_type ||
-        (has_offsets && offsets->element_type() != scale_type))
+        (has_offsets && (offsets->element_type() != scale_type ||
+                         offsets->dimensions().size() != 2 || offsets->dimensions()[0] != sd[0] ||
+                         offsets->dimensions()[1] != sd[1])))
       return invalid("need int4 [K, N] weights (N of 64k) in the same groups of 32k, with "
                      "scales and offsets of one float dtype");
   }
