@@ -175,16 +175,16 @@ def products(x: jax.Array, ws: Sequence[QuantizedWeight]) -> list[jax.Array]:
             and (w.offsets is None) == (first.offsets is None)
         )
 
-    if len(ws) < 2 or x.shape[0] > KERNEL_MAX_ROWS or not all(alike(w) for w in ws):
+    def one_each(x: jax.Array) -> list[jax.Array]:
         return [product(x, w, transposed=False) for w in ws]
+
+    if len(ws) < 2 or x.shape[0] > KERNEL_MAX_ROWS or not all(alike(w) for w in ws):
+        return one_each(x)
 
     def kernel(x: jax.Array) -> list[jax.Array]:
         return cpu.quantized_matmuls(x, [(w.values, w.scales, w.offsets) for w in ws])
 
-    def dequantized(x: jax.Array) -> list[jax.Array]:
-        return [product(x, w, transposed=False) for w in ws]
-
-    return jax.lax.platform_dependent(x, cpu=kernel, default=dequantized)
+    return jax.lax.platform_dependent(x, cpu=kernel, default=one_each)
 
 
 def _kernel_takes(w: QuantizedWeight, transposed: bool) -> bool:
