@@ -7,6 +7,11 @@ stops taking connections, lets running requests finish for --shutdown-timeout se
 cancels (aborting) what is left and stops the engine loop. An engine that dies (its process
 gone, or a multi-process engine's follower) turns /health to 503, and the server exits with
 status 1 and one line saying why.
+
+The API server runs on uvloop's event loop with httptools parsing HTTP (uvicorn's "standard"
+set, as vLLM serves): with hundreds of streams, writing each token's event is most of its
+work, and libuv's transports and httptools do in C what asyncio's selector loop and h11 do in
+Python (bench/host_overhead.py's served rows measure it).
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import uvicorn
+import uvloop
 
 from engine.config import EngineConfig
 from engine.errors import XlaserveError
@@ -92,7 +98,7 @@ def run_serve(config: EngineConfig, options: ServeOptions) -> int:
 
     try:
         sockets = [sock] if sock is not None else None
-        return asyncio.run(_serve(options, app, server, admission, connect, others, sockets))
+        return _run(_serve(options, app, server, admission, connect, others, sockets))
     finally:
         if core.process.is_alive():  # it never connected (the server stopped while loading)
             core.process.kill()
@@ -125,7 +131,7 @@ def run_api_server(
 
     serve = _serve(options, app, server, admission, connect, None, [sock], first=False)
     try:
-        sys.exit(asyncio.run(serve))
+        sys.exit(_run(serve))
     except XlaserveError:  # the engine did not load: the first API server says why
         sys.exit(1)
 
@@ -146,7 +152,7 @@ def _run_in_process(config: EngineConfig, options: ServeOptions) -> int:
         return AsyncEngine(engine, step_timeout=options.step_timeout)
 
     serve = _serve(options, app, server, admission, load, None, None, exit_at_once=True)
-    return asyncio.run(serve)
+    return _run(serve)
 
 
 def _app(
@@ -171,11 +177,18 @@ def _app(
     return app, admission
 
 
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    """`asyncio.run(main)` on a uvloop event loop."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def _uvicorn_config(app: Any, options: ServeOptions) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=options.host,
         port=options.port,
+        http="httptools",
         log_level="info" if options.verbose else "warning",
         timeout_graceful_shutdown=math.ceil(options.shutdown_timeout),
         lifespan="off",
