@@ -464,31 +464,35 @@ async def _stream_httpx(client: httpx.AsyncClient, i: int, running: int) -> None
 
 
 async def _stream_raw(url: str, i: int, running: int) -> None:
-    """As `_stream_httpx`, over a bare asyncio connection: every byte of every response is
-    read, its status checked and its end (`data: [DONE]`) found, but nothing is parsed, so
-    that the load generator, on the same two cores, takes as little from the server as a
-    client on another machine would."""
+    """As `_stream_httpx`, over a bare asyncio connection kept alive from request to request
+    (as an OpenAI client's connection pool does): every byte of every response is read, its
+    status checked and its end (`data: [DONE]`, then the chunked body's last chunk) found, but
+    nothing is parsed, so that the load generator, on the same two cores, takes as little from
+    the server as a client on another machine would."""
     host, port = url.removeprefix("http://").split(":")
-    for k in itertools.count():
-        body = json.dumps(_stream_body(i, running, first=k == 0)).encode()
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n"
-        ).encode()
-        reader, writer = await asyncio.open_connection(host, int(port))
-        try:
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for k in itertools.count():
+            body = json.dumps(_stream_body(i, running, first=k == 0)).encode()
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode()
             writer.write(head + body)
             status = await reader.readline()
             if not status.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"{status!r}: {(await reader.read(300))!r}")
             tail = b""
-            while chunk := await reader.read(1 << 16):
+            while not tail.endswith(_STREAM_END):
+                chunk = await reader.read(1 << 16)
+                if not chunk:
+                    raise RuntimeError(f"a stream ended without [DONE]: {tail!r}")
                 tail = (tail + chunk)[-64:]
-            if b"data: [DONE]" not in tail:
-                raise RuntimeError(f"a stream ended without [DONE]: {tail!r}")
-        finally:
-            writer.close()
+    finally:
+        writer.close()
+
+
+_STREAM_END = b"data: [DONE]\n\n\r\n0\r\n\r\n"  # the last event, then the last chunk
 
 
 async def _metric(client: httpx.AsyncClient, name: str) -> float:
