@@ -5,12 +5,12 @@ them, server-sent events, and giving up when the client goes away."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 
 from engine.request import CompletionOutput, OutputAccumulator, RequestOutput, Usage
@@ -140,18 +140,22 @@ def _delta(index: int, prompt_index: int, seq: CompletionOutput, *, first: bool)
     )
 
 
-async def server_sent_events(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
+_JSON = msgspec.json.Encoder()  # ~10x json.dumps on a chunk: one per streamed token
+
+
+async def server_sent_events(
+    chunks: AsyncGenerator[dict[str, Any], None],
+) -> AsyncIterator[bytes]:
     """`data: {json}` events ending in `data: [DONE]`; an error after the stream began is sent
     as a `data: {"error": ...}` event (the status line has already gone out)."""
     try:
         async with aclosing(chunks):
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                yield b"data: %b\n\n" % _JSON.encode(chunk)
     except Exception as e:
         error = as_api_error(e)
-        body = error_body(error.status, error.message, error.param)
-        yield f"data: {json.dumps(body)}\n\n"
-    yield "data: [DONE]\n\n"
+        yield b"data: %b\n\n" % _JSON.encode(error_body(error.status, error.message, error.param))
+    yield b"data: [DONE]\n\n"
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:

@@ -393,12 +393,12 @@ def test_an_error_after_the_stream_began_is_an_event() -> None:
         yield {"choices": []}
         raise InvalidRequestError("went wrong", param="prompt")
 
-    async def main() -> list[str]:
+    async def main() -> list[bytes]:
         return [event async for event in server_sent_events(chunks())]
 
     first, error, done = asyncio.run(main())
-    assert first == 'data: {"choices": []}\n\n' and done == "data: [DONE]\n\n"
-    body = json.loads(error.removeprefix("data: "))
+    assert first == b'data: {"choices":[]}\n\n' and done == b"data: [DONE]\n\n"
+    body = json.loads(error.removeprefix(b"data: "))
     assert body == {
         "error": {
             "message": "went wrong",
