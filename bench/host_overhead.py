@@ -94,6 +94,10 @@ PINNED_HEADING = (
     "(c) again with the device on its own core: the host loop's thread pinned to one core, "
     "XLA:CPU's threads to the other"
 )
+CHURN_HEADING = (
+    "(a) again in the offline runs of the served rows' work (asynchronous scheduling on): "
+    "requests end and join nearly every step"
+)
 MODEL_DIMS = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -224,14 +228,15 @@ def measure(
 
 def closed_loop_steps_per_second(
     model_dir: Path, running: int, steps: int, stream_interval: int = 1, cores: str = "shared"
-) -> tuple[float, float]:
+) -> tuple[float, float, dict[str, float]]:
     """The served runs' work without the server: an engine configured as `xlaserve serve` is
     in `served_steps_per_second` (asynchronous scheduling on, as served), `running` clients'
     requests (the same prompts and lengths, each client's next request added as soon as its
     last ends) stepped in this process; engine steps per second as the served rows count
     them (generated tokens over the running count), and the process's CPU milliseconds per
-    step. The decode rows of (a) are not this work: their contexts are shorter and all of one
-    length (the CPU attention's cost follows the longest), and no prefill joins them."""
+    step, and the milliseconds per step of each host phase (as in (a)). The decode rows of
+    (a) are not this work: their contexts are shorter and all of one length (the CPU
+    attention's cost follows the longest), and no request ends or joins."""
     engine = build_engine(
         EngineConfig(
             str(model_dir),
@@ -246,6 +251,7 @@ def closed_loop_steps_per_second(
     )
     assert isinstance(engine, LLMEngine)
     freeze_startup_objects()
+    clock = instrument(engine)
     tokenize = engine.tokenizer.encode
     request_ids = itertools.count()
     client_of: dict[str, int] = {}  # request id -> the client that sent it
@@ -273,6 +279,7 @@ def closed_loop_steps_per_second(
             placement.enter_context(engine_on_its_own_core(served=False))
         while True:  # a window in which nothing compiled (a bucket's first use may)
             run(STREAM_TOKENS // 2)  # into the steady state: requests end and start every step
+            clock.reset()
             compiled, start, cpu = compilation.count(), time.perf_counter(), time.process_time()
             generated = run(steps)
             seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -280,7 +287,10 @@ def closed_loop_steps_per_second(
                 break
     engine.close()
     rate = generated / running / seconds
-    return rate, cpu * 1e3 / (rate * seconds)
+    phases = {phase: clock.seconds[phase] * 1e3 / steps for phase in PHASES}
+    phases["host"] = sum(phases[p] for p in HOST_PHASES)
+    phases["step"] = seconds * 1e3 / steps
+    return rate, cpu * 1e3 / (rate * seconds), phases
 
 
 ENGINE_PLACES = {  # --served-engine: where the served engine runs, and the server's processes
@@ -503,9 +513,11 @@ async def _metric(client: httpx.AsyncClient, name: str) -> float:
     return float(found.group(1))
 
 
-def table(rows: dict[int, dict[str, float]]) -> list[str]:
-    header = "| running seqs | " + " | ".join(PHASES) + " | host critical path | whole step |"
-    lines = [header, "|" + "---|" * (len(PHASES) + 3)]
+def table(rows: dict[Any, dict[str, float]], label: str = "running seqs") -> list[str]:
+    """Milliseconds per step in each phase, one row per key of `rows` (its cells, ` | `
+    between them, under `label`'s)."""
+    header = f"| {label} | " + " | ".join(PHASES) + " | host critical path | whole step |"
+    lines = [header, "|" + "---|" * (len(PHASES) + 3 + label.count("|"))]
     for running, ms in rows.items():
         cells = " | ".join(f"{ms[p]:.2f}" for p in PHASES)
         lines.append(f"| {running} | {cells} | {ms['host']:.2f} | {ms['step']:.2f} |")
@@ -513,7 +525,7 @@ def table(rows: dict[int, dict[str, float]]) -> list[str]:
 
 
 def served_table(
-    offline: dict[tuple[int, int, str], tuple[float, float]],
+    offline: dict[tuple[int, int, str], tuple[float, float, dict[str, float]]],
     served: dict[tuple[str, int, int, str], tuple[float, dict[str, float]]],
 ) -> list[str]:
     """The served rate against the offline one on the same requests (`offline`: (running,
@@ -531,7 +543,7 @@ def served_table(
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (place, running, interval, placing), (steps, cpu) in served.items():
-        rate, offline_cpu = offline[running, interval, placing]
+        rate, offline_cpu, _ = offline[running, interval, placing]
         cores = " | ".join(f"{cpu.get(role, 0.0):.2f}" for role in ("bench", "api", "core"))
         per_step = " | ".join(f"{cpu.get(role, 0.0) * 1e3 / steps:.2f}" for role in ("core", "api"))
         lines.append(
@@ -708,6 +720,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for k in args.stream_interval
         for place in args.served_engine
     }
+    churn = {f"{n} | {k} | {c}": phases for (n, k, c), (_, _, phases) in offline.items()}
     command = "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = "\n".join(
         [
@@ -725,6 +738,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "",
             *_target_line(rows, asynchronous, pinned),
             *(["", *served_table(offline, served)] if served else []),
+            *(["", CHURN_HEADING, ""] if offline else []),
+            *(table(churn, "streaming clients | stream interval | cores") if offline else []),
         ]
     )
     print(text)

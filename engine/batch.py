@@ -16,7 +16,7 @@ import numpy as np
 from engine.kv_cache import KVCacheManager
 from engine.request import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, Request
 from engine.sampling import SamplingTensors, bitmask_words
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step import StepInput
 
 MIN_TOKEN_BUCKET = 1
@@ -84,11 +84,13 @@ class BatchBuilder:
     names its row among the tokens the previously built step samples, which this builder
     remembers.
 
-    A steady decode step (the same sequences as the last batch, in the same rows, each one
-    token further: no sequence joined, left or moved) is written from the last batch with a
-    few whole-batch NumPy operations (`_write_steady`) instead of a pass over every sequence's
-    tokens and pages: a narrow form of vLLM's persistent batch, which also keeps its rows
-    through joins and leaves."""
+    The leading rows that continue the last batch's decodes (each sequence one token further,
+    in any row of the last batch) are written from the last batch with a few whole-batch NumPy
+    operations (`_write_kept`) instead of a pass over every sequence's tokens and pages; the
+    rows after the first that does not (a prefill chunk, proposals, a sequence that joined) are
+    gathered one by one. Sequences join at the end and leave from anywhere, so in a busy server,
+    where some end and others join almost every step, nearly every row is kept: what vLLM's
+    persistent batch gives, without rows that outlive their order in the schedule."""
 
     def __init__(self, shapes: BatchShapes, page_size: int, eos_token_ids: tuple[int, ...] = ()):
         self.shapes = shapes
@@ -96,10 +98,8 @@ class BatchBuilder:
         self.eos_token_ids = eos_token_ids[:MAX_EOS_IDS]
         self._buffers = [self._allocate(), self._allocate()]
         self._turn = 0
-        self._last_rows: dict[str, int] = {}  # request id -> its row in the last batch built
-        # The last batch's requests if each of its rows was one token past its prompt (no
-        # prefill chunk, no draft tokens), else None: the next batch may then be steady.
-        self._last_decode: list[Request] | None = None
+        self._last_requests: list[Request] = []  # the last batch's, in its rows
+        self._last_ids: list[str] = []  # their request ids
         self._last_num_pages = np.zeros(0, np.int64)  # the pages each row held in it
         longest = max(shapes.token_buckets[-1], shapes.seq_buckets[-1])
         self._arange = np.arange(longest + 1, dtype=np.int32)  # row and token numbers
@@ -154,31 +154,34 @@ class BatchBuilder:
         next_ids[:t] = -1
         token_src[:t] = -1
         requests = [scheduled.request for scheduled in out.scheduled]
-        num_seqs = offset = len(requests)
-        steady = (
-            kv_cache is not None
-            and num_seqs > 0
-            and requests == self._last_decode  # Request compares by identity
-            and out.num_tokens == num_seqs
-            and kv_cache.sliding_window is None  # (released pages change earlier entries)
-            and self._write_steady(buf, self._buffers[self._turn], out, requests, kv_cache)
-        )
-        if not steady:
-            rows = _Rows.gather(out, kv_cache, self._last_rows)
-            self._last_rows = rows.index
-            self._last_decode = requests if rows.decode_only else None
-            offset = len(rows.token_ids)
-            if num_seqs:
-                self._last_num_pages = rows.write(
-                    token_ids, positions, slots, page_table, self.page_size
-                )
-                counts = np.asarray(rows.counts, np.int32)  # i32[n]
-                np.cumsum(counts, out=cu_q_lens[1 : num_seqs + 1])
-                kv_lens[:num_seqs] = rows.starts + counts
-                lora_slots[:offset] = np.repeat(np.asarray(rows.lora_slots, np.int32), counts)
-                token_src[rows.src_at] = rows.src_rows
-                for at, following in rows.next_ids:  # prompt logprobs: each token's successor
-                    next_ids[at : at + len(following)] = following
+        num_seqs = len(requests)
+        ids = [request.request_id for request in requests]
+        src = self._rows_in_last_batch(requests, ids)
+        self._last_requests, self._last_ids = requests, ids
+        numbers = _RowNumbers.read(out, kv_cache, ids)
+        kept = 0
+        # (a sliding window's released pages change a row's earlier entries)
+        if kv_cache is not None and kv_cache.sliding_window is None:
+            last = self._buffers[self._turn]
+            kept = self._write_kept(buf, last, requests, src, numbers, kv_cache)
+        offset = kept  # a kept row feeds one token
+        if kept < num_seqs:
+            assert kv_cache is not None
+            k, n = kept, num_seqs
+            rows = _Rows.gather(out.scheduled[k:], kv_cache, src[k:].tolist())
+            pages = rows.write(
+                token_ids[k:], positions[k:], slots[k:], page_table[k:], self.page_size
+            )
+            self._last_num_pages = np.concatenate([self._last_num_pages[:k], pages])
+            counts = np.asarray(rows.counts, np.int32)  # i32[n - k]
+            np.cumsum(counts, out=cu_q_lens[k + 1 : n + 1])
+            cu_q_lens[k + 1 : n + 1] += k
+            kv_lens[k:n] = rows.starts + counts
+            offset = k + len(rows.token_ids)
+            lora_slots[k:offset] = np.repeat(np.asarray(rows.lora_slots, np.int32), counts)
+            token_src[k:][rows.src_at] = rows.src_rows
+            for at, following in rows.next_ids:  # prompt logprobs: each token's successor
+                next_ids[k + at : k + at + len(following)] = following
         token_ids[offset:t] = 0
         positions[offset:t] = 0
         slots[offset:t] = -1
@@ -187,6 +190,9 @@ class BatchBuilder:
         kv_lens[num_seqs:s] = 0
         logits_indices = buf["logits_indices"]
         logits_indices[:s] = np.maximum(cu_q_lens[1 : s + 1] - 1, 0)
+        penalty_len = self.shapes.penalty_len if penalties else 0
+        num_outputs = numbers.outputs + numbers.pending
+        sampling = self._sampling_cache.tensors(requests, s, penalty_len, src, num_outputs)
         return StepInput(
             token_ids=token_ids[:t],
             positions=positions[:t],
@@ -197,58 +203,79 @@ class BatchBuilder:
             num_seqs=np.int32(num_seqs),
             logits_indices=logits_indices[:s],
             next_token_ids=next_ids[:t],
-            sampling=self._sampling(requests, s, penalties=penalties),
+            sampling=sampling,
             lora_slots=lora_slots[:t],
             token_bitmask=self._bitmask(buf["token_bitmask"], s),
             token_src=token_src[:t],
         )
 
-    def _write_steady(
+    def _rows_in_last_batch(self, requests: list[Request], ids: list[str]) -> np.ndarray:
+        """i64[n]: each request's row in the last batch built (-1: it was not in it)."""
+        n = len(requests)
+        if requests == self._last_requests:  # the same rows (Request compares by identity)
+            return self._arange[:n].astype(np.int64)
+        last = self._last_ids
+        rows = dict(zip(last, range(len(last)), strict=True))
+        return np.fromiter(map(rows.get, ids, itertools.repeat(-1)), np.int64, n)
+
+    def _write_kept(
         self,
         buf: dict[str, np.ndarray],
         last: dict[str, np.ndarray],
-        out: SchedulerOutput,
         requests: list[Request],
+        src: np.ndarray,  # i64[n]: each row's row in the last batch, -1 if none
+        numbers: _RowNumbers,
         kv_cache: KVCacheManager,
-    ) -> bool:
-        """Writes the first rows of a batch whose sequences are the last batch's, in the same
-        rows, where each row fed one token past its prompt, from `last`'s buffers, if each row
-        now feeds its next one: it starts where its last step ended and its token is its last
-        (known on the host, or pending on the device for every row). Else False, having
-        written nothing. Like `_Rows.write`, each row gets every page its sequence holds (a
-        draft model's steps write past the batch's tokens)."""
-        n = len(requests)
-        starts = np.fromiter((scheduled.start for scheduled in out.scheduled), np.int32, n)
-        if not np.array_equal(starts, last["kv_lens"][:n]):  # so each is past its prompt
-            return False
-        pending = np.fromiter((r.num_pending_tokens for r in requests), np.int32, n)
-        ends = np.fromiter((r.num_tokens for r in requests), np.int32, n) + pending
-        if not np.array_equal(starts + 1, ends):
-            return False
-        if not pending.any():  # each row's token is its last output (it is past its prompt)
-            tokens = (r.output_token_ids[-1] for r in requests)
-            buf["token_ids"][:n] = np.fromiter(tokens, np.int32, n)
-        elif (pending == 1).all():  # asynchronous: the last step samples row i's token in row i
-            buf["token_ids"][:n] = 0
-            buf["token_src"][:n] = self._arange[:n]
+    ) -> int:
+        """Writes the leading rows that continue a row of the last batch (`last`'s buffers) by
+        one token, from it, and returns how many there are: each starts where that row ended,
+        feeds one token past its prompt, and that token is its last output (known on the host)
+        or pending on the device (sampled by that row). Like `_Rows.write`, each row gets every
+        page its sequence holds (a draft model's steps write past the batch's tokens)."""
+        n = len(src)
+        if n == 0 or len(self._last_num_pages) == 0:
+            return 0
+        starts, pending, outputs = numbers.starts, numbers.pending, numbers.outputs
+        kept = (
+            (src >= 0)
+            & (numbers.counts == 1)
+            & (starts == last["kv_lens"][src])  # where its last row ended
+            & (starts + 1 == numbers.prompts + outputs + pending)  # its last token, ...
+            & (outputs + pending > 0)  # ... past its prompt
+            & (pending <= 1)  # (more pending: not the last step's sample)
+        )
+        k = n if kept.all() else int(kept.argmin())
+        if k == 0:
+            return 0
+        rows, starts, pending = src[:k], starts[:k], pending[:k]
+        if not pending.any():  # each row's token is its last output
+            tokens = (r.output_token_ids[-1] for r in requests[:k])
+            buf["token_ids"][:k] = np.fromiter(tokens, np.int32, k)
+        elif pending.all():  # asynchronous: the last step samples it in the row's last row
+            buf["token_ids"][:k] = 0
+            buf["token_src"][:k] = rows
         else:
-            return False
-        buf["positions"][:n] = starts
-        buf["kv_lens"][:n] = starts + 1
-        buf["cu_q_lens"][: n + 1] = self._arange[: n + 1]
-        buf["lora_slots"][:n] = last["lora_slots"][:n]  # an adapter keeps its slot while it runs
-        page_table, size, held = buf["page_table"], self.page_size, self._last_num_pages
+            for i, r in enumerate(requests[:k]):
+                if pending[i]:
+                    buf["token_ids"][i], buf["token_src"][i] = 0, rows[i]
+                else:
+                    buf["token_ids"][i] = r.output_token_ids[-1]
+        buf["positions"][:k] = starts
+        buf["kv_lens"][:k] = starts + 1
+        buf["cu_q_lens"][: k + 1] = self._arange[: k + 1]
+        # an adapter keeps its slot while it runs: the slot of the last row's first token
+        buf["lora_slots"][:k] = last["lora_slots"][last["cu_q_lens"][rows]]
+        page_table, size = buf["page_table"], self.page_size
+        held, num_pages = self._last_num_pages[rows], numbers.pages[:k]
         width = int(held.max())
-        page_table[:n, :width] = last["page_table"][:n, :width]
-        held_now = (kv_cache.num_pages_held(r.request_id) for r in requests)
-        num_pages = np.fromiter(held_now, np.int64, n)
+        page_table[:k, :width] = last["page_table"][rows, :width]
         for row in np.flatnonzero(num_pages > held).tolist():  # pages allocated since
             pages = kv_cache.page_table(requests[row].request_id)
             page_table[row, held[row] : len(pages)] = pages[held[row] :]
         self._last_num_pages = num_pages
         index = starts // size
-        buf["slot_mapping"][:n] = page_table[self._arange[:n], index] * size + starts % size
-        return True
+        buf["slot_mapping"][:k] = page_table[self._arange[:k], index] * size + starts % size
+        return k
 
     def _bitmask(self, buffer: np.ndarray, s: int) -> np.ndarray | None:
         if self.shapes.vocab_size is None:
@@ -256,9 +283,32 @@ class BatchBuilder:
         buffer[:s] = -1  # the last batch in this buffer may have had constrained rows
         return buffer[:s]
 
-    def _sampling(self, requests: list[Request], s: int, *, penalties: bool) -> SamplingTensors:
-        penalty_len = self.shapes.penalty_len if penalties else 0
-        return self._sampling_cache.tensors(requests, s, penalty_len)
+
+@dataclass
+class _RowNumbers:
+    """What the batch needs of each scheduled row as whole-batch arrays, i64[n] each, read in
+    one pass over the rows."""
+
+    starts: np.ndarray  # its first position
+    counts: np.ndarray  # its tokens in this step
+    pending: np.ndarray  # its tokens sampled but still on the device
+    prompts: np.ndarray  # its prompt's length
+    outputs: np.ndarray  # its outputs known on the host
+    pages: np.ndarray  # the pages its sequence holds
+
+    @classmethod
+    def read(
+        cls, out: SchedulerOutput, kv_cache: KVCacheManager | None, ids: list[str]
+    ) -> _RowNumbers:
+        flat: list[int] = []
+        for row in out.scheduled:
+            r = row.request
+            flat += (
+                row.start, row.num_new_tokens, r.num_pending_tokens, len(r.prompt_token_ids),
+                len(r.output_token_ids),
+            )  # fmt: skip
+        held = [0] * len(ids) if kv_cache is None else kv_cache.num_pages_held_each(ids)
+        return cls(*np.array(flat, np.int64).reshape(-1, 5).T, np.array(held, np.int64))
 
 
 @dataclass
@@ -266,7 +316,6 @@ class _Rows:
     """A step's scheduled sequences as flat lists, gathered in one pass over them, for NumPy to
     write into the batch in a few whole-batch operations."""
 
-    index: dict[str, int]  # request id -> its row
     starts: np.ndarray  # i32[n]: each row's first position
     counts: list[int]  # tokens of each row
     lora_slots: list[int]  # each row's adapter slot
@@ -275,20 +324,20 @@ class _Rows:
     src_at: list[int]  # tokens pending on the device ...
     src_rows: list[int]  # ... and their rows among the previous step's samples
     next_ids: list[tuple[int, list[int]]]  # (token offset, prompt tokens after each)
-    decode_only: bool = True  # every row is one token past its prompt (no draft tokens)
 
     @classmethod
     def gather(
-        cls, out: SchedulerOutput, kv_cache: KVCacheManager | None, last_rows: dict[str, int]
+        cls,
+        scheduled_rows: list[ScheduledRequest],
+        kv_cache: KVCacheManager,
+        last_rows: list[int],  # each one's row in the last batch (-1: none)
     ) -> _Rows:
-        rows = cls({}, np.zeros(0, np.int32), [], [], [], [], [], [], [])
+        rows = cls(np.zeros(0, np.int32), [], [], [], [], [], [], [])
         starts: list[int] = []
         tokens = rows.token_ids
-        for i, scheduled in enumerate(out.scheduled):
-            assert kv_cache is not None
+        for scheduled, last_row in zip(scheduled_rows, last_rows, strict=True):
             request, start, n = scheduled.request, scheduled.start, scheduled.num_new_tokens
             prompt, output = request.prompt_token_ids, request.output_token_ids
-            rows.index[request.request_id] = i
             rows.pages.append(kv_cache.page_table(request.request_id))
             offset = len(tokens)
             # every token is known but a pending one (speculation is never asynchronous)
@@ -300,13 +349,11 @@ class _Rows:
                 tokens += scheduled.token_ids
             if known < n:  # the last token is pending: the previous step samples it
                 rows.src_at.append(offset + known)
-                rows.src_rows.append(last_rows[request.request_id])
+                assert last_row >= 0, f"{request.request_id}'s pending token has no row"
+                rows.src_rows.append(last_row)
                 tokens.append(0)
             if request.sampling_params.prompt_logprobs is not None:
                 rows.next_ids.append((offset, prompt[start + 1 : start + n + 1]))
-                rows.decode_only = False
-            elif n != 1 or start < len(prompt):  # a prefill chunk or draft tokens
-                rows.decode_only = False
             starts.append(start)
             rows.counts.append(n)
             rows.lora_slots.append(request.lora_slot)
@@ -346,25 +393,7 @@ def sampling_tensors(
 ) -> SamplingTensors:
     """Per-sequence sampling arrays for `requests`, padded to `num_seqs` rows with greedy
     defaults. Penalty id lists are only filled when `penalty_len` > 0."""
-    n = len(requests)
     params = [r.sampling_params for r in requests]
-    # One row of the per-sequence columns per request, in one pass: f64 holds each exactly
-    # (floats as given, integers far below 2**53), so each column's cast is the direct one's.
-    values = np.array(
-        [
-            (p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.repetition_penalty,
-             p.presence_penalty, p.frequency_penalty, r.seed,
-             len(r.output_token_ids) + r.num_pending_tokens)
-            for r, p in zip(requests, params, strict=True)
-        ],
-        np.float64,
-    ).reshape(n, 9)  # fmt: skip
-
-    def column(j: int, dtype: type, pad: float) -> np.ndarray:
-        array: np.ndarray = np.full(num_seqs, pad, dtype)
-        array[:n] = values[:, j]
-        return array
-
     biased = [
         (i, r)
         for i, (r, p) in enumerate(zip(requests, params, strict=True))
@@ -383,6 +412,42 @@ def sampling_tensors(
         for i, r in enumerate(requests):
             prompt_ids[i, : len(r.prompt_token_ids)] = r.prompt_token_ids
             output_ids[i, : len(r.output_token_ids)] = r.output_token_ids
+    return dataclasses.replace(
+        _columns(_fixed_values(requests), num_seqs),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        output_index=_output_index(requests, num_seqs),
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+    )
+
+
+def _fixed_values(requests: list[Request]) -> np.ndarray:
+    """f64[n, 8]: each request's sampling values that stay as they are while it runs, one row
+    each, in one pass: f64 holds each exactly (floats as given, integers far below 2**53), so
+    each column's cast is the direct one's."""
+    return np.array(
+        [
+            (p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.repetition_penalty,
+             p.presence_penalty, p.frequency_penalty, r.seed)
+            for r in requests
+            for p in (r.sampling_params,)
+        ],
+        np.float64,
+    ).reshape(len(requests), 8)  # fmt: skip
+
+
+def _columns(values: np.ndarray, num_seqs: int) -> SamplingTensors:
+    """The batch's arrays of `_fixed_values` rows, padded to `num_seqs` rows with the greedy
+    defaults; no bias, no penalty ids, `output_index` zero."""
+    n = len(values)
+
+    def column(j: int, dtype: type, pad: float) -> np.ndarray:
+        array: np.ndarray = np.full(num_seqs, pad, dtype)
+        array[:n] = values[:, j]
+        return array
+
+    bias_ids, bias_values = no_bias(num_seqs)
     return SamplingTensors(
         temperature=column(0, np.float32, 0.0),
         top_k=column(1, np.int32, 0),
@@ -394,10 +459,20 @@ def sampling_tensors(
         bias_ids=bias_ids,
         bias_values=bias_values,
         seeds=column(7, np.uint32, 0),
-        output_index=column(8, np.int32, 0),
-        prompt_ids=prompt_ids,
-        output_ids=output_ids,
+        output_index=np.zeros(num_seqs, np.int32),
+        prompt_ids=np.full((num_seqs, 0), -1, np.int32),
+        output_ids=np.full((num_seqs, 0), -1, np.int32),
     )
+
+
+def _output_index(requests: list[Request], num_seqs: int) -> np.ndarray:
+    """i32[S]: each row's output tokens so far, those pending on the device included."""
+    output_index = np.zeros(num_seqs, np.int32)
+    n = len(requests)
+    output_index[:n] = np.fromiter(
+        (len(r.output_token_ids) + r.num_pending_tokens for r in requests), np.int32, n
+    )
+    return output_index
 
 
 @functools.cache
@@ -412,37 +487,61 @@ def no_bias(num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class SamplingCache:
-    """`sampling_tensors` for a stream of batches, reusing the last batch's arrays while its
-    requests are the same ones in the same order (most decode steps): only `output_index`
-    changes then. Batches with a logit bias, min_tokens or penalties (whose arrays change as
-    tokens come) are built afresh. The reused arrays are never written again, so a device
-    array that aliases one of them stays valid."""
+    """`sampling_tensors` for a stream of batches, reusing each row's fixed values from the
+    last batch's row of the same request (`src`), so that only the rows of requests that
+    joined are read from their parameters; the arrays themselves while the batch's rows are
+    the last one's (most decode steps): only `output_index` changes then. Batches with a logit
+    bias, min_tokens or penalties (whose arrays change as tokens come) are built afresh. The
+    returned arrays are never written again, so a device array that aliases one stays valid."""
 
     def __init__(self, eos_token_ids: tuple[int, ...] = ()) -> None:
         self._eos_token_ids = eos_token_ids
-        self._requests: list[Request] = []
+        self._values: np.ndarray | None = None  # f64[n, 8]: the last batch's `_fixed_values`
         self._last: SamplingTensors | None = None
 
-    def tensors(self, requests: list[Request], num_seqs: int, penalty_len: int) -> SamplingTensors:
-        last = self._last
-        if (
-            last is None
-            or penalty_len
-            or requests != self._requests  # Request compares by identity
-            or last.temperature.shape[0] != num_seqs
-        ):
-            tensors = sampling_tensors(requests, num_seqs, penalty_len, self._eos_token_ids)
-            static = not penalty_len and not any(
-                r.sampling_params.logit_bias or r.sampling_params.min_tokens for r in requests
-            )
-            self._requests, self._last = (requests, tensors) if static else ([], None)
-            return tensors
-        output_index = np.zeros(num_seqs, np.int32)  # i32[S]
+    def tensors(
+        self,
+        requests: list[Request],
+        num_seqs: int,
+        penalty_len: int,
+        src: np.ndarray,  # i64[n]: each request's row in the last batch, or -1
+        num_outputs: np.ndarray,  # i64[n]: each request's outputs, those pending included
+    ) -> SamplingTensors:
         n = len(requests)
-        output_index[:n] = np.fromiter(
-            (len(r.output_token_ids) + r.num_pending_tokens for r in requests), np.int32, n
-        )
-        return dataclasses.replace(last, output_index=output_index)
+        last, values = self._last, self._values
+        if values is None:  # the last batch was built afresh: nothing to keep
+            src = np.full(n, -1, np.int64)
+        joined = np.flatnonzero(src < 0).tolist()
+        newcomers = [requests[i] for i in joined]
+        if penalty_len or any(_biased(r) for r in newcomers):
+            self._values = self._last = None
+            return sampling_tensors(requests, num_seqs, penalty_len, self._eos_token_ids)
+        output_index = np.zeros(num_seqs, np.int32)
+        output_index[:n] = num_outputs
+        if (
+            last is not None
+            and values is not None
+            and not joined
+            and n == len(values)
+            and last.temperature.shape[0] == num_seqs
+            and (src == np.arange(n)).all()
+        ):
+            return dataclasses.replace(last, output_index=output_index)
+        rows = np.empty((n, 8), np.float64)
+        if values is not None:
+            rows[src >= 0] = values[src[src >= 0]]
+        if joined:
+            rows[joined] = _fixed_values(newcomers)
+        self._values = rows
+        self._last = dataclasses.replace(_columns(rows, num_seqs), output_index=output_index)
+        return self._last
+
+
+def _biased(request: Request) -> bool:
+    """A logit bias or min_tokens: its bias rows are built each step (the min_tokens ban
+    lifts as tokens come)."""
+    p = request.sampling_params
+    return bool(p.logit_bias or p.min_tokens)
 
 
 def _bias(request: Request, eos_token_ids: tuple[int, ...]) -> tuple[list[int], list[float]]:

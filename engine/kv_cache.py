@@ -113,6 +113,11 @@ class KVCacheManager:
         """How many pages the request holds (0 for an unknown request)."""
         return len(self._tables.get(request_id, ()))
 
+    def num_pages_held_each(self, request_ids: list[str]) -> list[int]:
+        """`num_pages_held` of each request, in one call (a batch's rows)."""
+        tables = self._tables
+        return [len(tables.get(request_id, ())) for request_id in request_ids]
+
     def num_committed_pages(self, request_id: str) -> int:
         """The request's leading pages registered in the prefix cache (or found there)."""
         return len(self._chains.get(request_id, ()))

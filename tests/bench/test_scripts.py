@@ -71,10 +71,11 @@ def test_host_overhead_closed_loop_smoke() -> None:
     out = run_bench(
         "-c",
         "from bench import host_overhead as h; "
-        "print(h.closed_loop_steps_per_second(h.write_checkpoint(), 4, 8))",
+        "rate, cpu_ms, phases = h.closed_loop_steps_per_second(h.write_checkpoint(), 4, 8); "
+        "print(rate, cpu_ms, phases['build'], phases['step'])",
     )
-    rate, cpu_ms = (float(x) for x in out.strip().splitlines()[-1].strip("()").split(","))
-    assert rate > 0 and cpu_ms > 0, out[-2000:]
+    rate, cpu_ms, build, step = map(float, out.strip().splitlines()[-1].split())
+    assert rate > 0 and cpu_ms > 0 and 0 < build < step, out[-2000:]
 
 
 def test_step_breakdown_smoke() -> None:

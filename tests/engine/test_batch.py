@@ -170,12 +170,13 @@ def test_unbiased_batches_share_read_only_bias_arrays() -> None:
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(4))
-def test_steady_decode_batches_equal_the_reference(seed: int, asynchronous: bool) -> None:
+def test_kept_decode_rows_equal_the_reference(seed: int, asynchronous: bool) -> None:
     """40 steps of decoding, one token a row, with requests joining (a prefill first, of one
     token at times), leaving, trading rows or jumping ahead (as accepted proposals do) now and
-    then, some with pages allocated ahead of their tokens: the batches written from the last
-    one (the same sequences in the same rows) equal the row-by-row reference as the others
-    do, every page each sequence holds included, and most steps take that path.
+    then, some with pages allocated ahead of their tokens: the batches whose leading rows are
+    written from the last one (each such sequence one token further, in whatever row it had)
+    equal the row-by-row reference as the others do, every page each sequence holds included,
+    and most rows take that path.
     Asynchronously, each decoded token is pending on the device when the next batch is built
     (once in a while the host knows them all: a step that needed its tokens)."""
     rng = random.Random(seed)
@@ -183,16 +184,16 @@ def test_steady_decode_batches_equal_the_reference(seed: int, asynchronous: bool
         max_num_batched_tokens=256, max_num_seqs=16, max_model_len=64, page_size=PAGE
     )
     builder = BatchBuilder(shapes, PAGE, eos_token_ids=EOS)
-    steady = 0
-    write_steady = builder._write_steady
+    kept = total = 0
+    write_kept = builder._write_kept
 
-    def counted(*args: object) -> bool:
-        nonlocal steady
-        taken = write_steady(*args)  # type: ignore[arg-type]
-        steady += taken
+    def counted(*args: object) -> int:
+        nonlocal kept
+        taken = write_kept(*args)  # type: ignore[arg-type]
+        kept += taken
         return taken
 
-    builder._write_steady = counted  # type: ignore[method-assign]
+    builder._write_kept = counted  # type: ignore[method-assign]
     kv = KVCacheManager(256, PAGE, enable_prefix_caching=False)
     made = iter(range(10**6))
 
@@ -234,6 +235,7 @@ def test_steady_decode_batches_equal_the_reference(seed: int, asynchronous: bool
             kv.allocate(row.request.request_id, row.start + row.num_new_tokens + ahead)
         out = SchedulerOutput(rows)
         batch = builder.build(out, kv, penalties=False)
+        total += len(rows)
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
         want = _reference(out, kv, last, t, s)
         for i, row in enumerate(rows):  # every page it holds; entries past them are stale
@@ -246,13 +248,13 @@ def test_steady_decode_batches_equal_the_reference(seed: int, asynchronous: bool
         last = {row.request.request_id: i for i, row in enumerate(rows)}
         for row in rows:  # each row's step samples a token, which the host reads later
             row.request.num_pending_tokens += 1
-    assert steady >= 10, steady
+    assert kept >= total // 2, (kept, total)
 
 
-def test_rows_that_trade_places_are_gathered_again() -> None:
+def test_rows_that_trade_places_keep_their_own_pages() -> None:
     """Two sequences at the same position trade rows (an admission sorted in between them
-    would do it): every check on the rows' positions and tokens still holds, so only the rows'
-    identities tell that the last batch's pages and token rows no longer line up."""
+    would do it): every check on the rows' positions and tokens holds either way, so only the
+    rows' identities tell which of the last batch's rows each continues."""
     shapes = BatchShapes.create(
         max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, page_size=PAGE
     )

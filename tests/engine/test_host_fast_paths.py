@@ -124,7 +124,7 @@ def test_the_sampling_cache_equals_arrays_built_afresh() -> None:
     ]
     eos = (2,)
     cache = SamplingCache(eos)
-    batch = pool[:6]
+    batch = previous = pool[:6]
     reused = 0
     for step in range(300):
         if rng.random() < 0.2:  # the batch changes: some leave, some join, the order too
@@ -135,7 +135,11 @@ def test_the_sampling_cache_equals_arrays_built_afresh() -> None:
         num_seqs = 8 if rng.random() < 0.8 else 16
         penalty_len = 512 if rng.random() < 0.1 else 0
         last = cache._last
-        got = cache.tensors(list(batch), num_seqs, penalty_len)
+        rows = {id(r): i for i, r in enumerate(previous)}  # the cache's last batch
+        src = np.array([rows.get(id(r), -1) for r in batch], np.int64)
+        outputs = np.array([r.num_output_tokens_with_pending for r in batch], np.int64)
+        got = cache.tensors(list(batch), num_seqs, penalty_len, src, outputs)
+        previous = batch
         reused += last is not None and got.temperature is last.temperature
         expected = sampling_tensors(batch, num_seqs, penalty_len, eos)
         for name, value in vars(expected).items():
