@@ -38,7 +38,8 @@ option of sending a stream's tokens in chunks after its first), offline configur
 With `--cores isolated` as well, the served rows run again with the engine core process on a
 core of its own and the API server and the load generator on the other, and the offline engine
 on that one core too: the process boundary's own cost, without the two cores' contention
-(a server host has cores to spare beside its accelerator; this VM has two).
+(a server host has cores to spare beside its accelerator; this VM has two). Last, (a)'s phases
+in those offline runs, where requests end and join nearly every step, as behind a server.
 
 (c) The sizes above with asynchronous scheduling off and on, side by side: steps per second,
 and the asynchronous loop's own phases (its `wait` is what the device step did not hide).

@@ -88,9 +88,10 @@ class BatchBuilder:
     in any row of the last batch) are written from the last batch with a few whole-batch NumPy
     operations (`_write_kept`) instead of a pass over every sequence's tokens and pages; the
     rows after the first that does not (a prefill chunk, proposals, a sequence that joined) are
-    gathered one by one. Sequences join at the end and leave from anywhere, so in a busy server,
-    where some end and others join almost every step, nearly every row is kept: what vLLM's
-    persistent batch gives, without rows that outlive their order in the schedule."""
+    gathered one by one. The rows follow the schedule's order, in which sequences join at the
+    end and leave from anywhere, so in a busy server, where some end and others join almost
+    every step, nearly every row is kept: what vLLM's persistent batch gives, whose rows stay
+    in place instead."""
 
     def __init__(self, shapes: BatchShapes, page_size: int, eos_token_ids: tuple[int, ...] = ()):
         self.shapes = shapes
@@ -160,7 +161,7 @@ class BatchBuilder:
         self._last_requests, self._last_ids = requests, ids
         numbers = _RowNumbers.read(out, kv_cache, ids)
         kept = 0
-        # (a sliding window's released pages change a row's earlier entries)
+        # Not with a sliding window: its released pages change a row's earlier entries.
         if kv_cache is not None and kv_cache.sliding_window is None:
             last = self._buffers[self._turn]
             kept = self._write_kept(buf, last, requests, src, numbers, kv_cache)
