@@ -234,8 +234,6 @@ class BatchBuilder:
         or pending on the device (sampled by that row). Like `_Rows.write`, each row gets every
         page its sequence holds (a draft model's steps write past the batch's tokens)."""
         n = len(src)
-        if n == 0 or len(self._last_num_pages) == 0:
-            return 0
         starts, pending, outputs = numbers.starts, numbers.pending, numbers.outputs
         kept = (
             (src >= 0)
