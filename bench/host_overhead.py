@@ -22,9 +22,12 @@ engine's steps per second there (generated tokens per second over the running co
 /metrics, once every client streams) against its offline rate on the same requests: an engine
 configured as the server's, the same clients' requests stepped in this process with no server
 (the rows of (a) are not that work: their contexts are shorter and all of one length, and the
-CPU attention's cost follows the longest). The clients run in this process on the same two
-cores, as a load generator beside a server does; each streams a completion to its end and
-starts the next (their first requests of staggered lengths, so that requests end spread over
+CPU attention's cost follows the longest). The two alternate, `--repeats` windows of each,
+`--window` seconds long, the server kept up (and idle while the offline engine steps): this
+VM's speed drifts by more than the ratio's target between runs minutes apart, so the table
+gives the median of the pairs' ratios and their range. The clients run in this process on
+the same two cores, as a load generator beside a server does; each streams a completion to its
+end and starts the next (their first requests of staggered lengths, so that requests end spread over
 the steps), and by default reads every byte of every stream over a bare asyncio
 connection without parsing it (`--load-generator raw`): httpx parsing every SSE line
 (`--load-generator httpx`) takes a large share of the two cores from the server and the engine
@@ -63,6 +66,7 @@ import itertools
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 import threading
@@ -227,71 +231,82 @@ def measure(
     return per_step
 
 
-def closed_loop_steps_per_second(
-    model_dir: Path, running: int, steps: int, stream_interval: int = 1, cores: str = "shared"
-) -> tuple[float, float, dict[str, float]]:
+class ClosedLoop:
     """The served runs' work without the server: an engine configured as `xlaserve serve` is
-    in `served_steps_per_second` (asynchronous scheduling on, as served), `running` clients'
+    in `served_and_offline` (asynchronous scheduling on, as served), `running` clients'
     requests (the same prompts and lengths, each client's next request added as soon as its
-    last ends) stepped in this process; engine steps per second as the served rows count
-    them (generated tokens over the running count), and the process's CPU milliseconds per
-    step, and the milliseconds per step of each host phase (as in (a)). The decode rows of
-    (a) are not this work: their contexts are shorter and all of one length (the CPU
-    attention's cost follows the longest), and no request ends or joins."""
-    engine = build_engine(
-        EngineConfig(
-            str(model_dir),
-            scheduler=SchedulerConfig(
-                max_num_seqs=running,
-                max_num_batched_tokens=max(running, 32),
-                max_model_len=MODEL_LEN,
-                stream_interval=stream_interval,
-            ),
-            compilation=CompilationConfig(warm_up="lazy"),
+    last ends) stepped in this process. The decode rows of (a) are not this work: their
+    contexts are shorter and all of one length (the CPU attention's cost follows the
+    longest), and no request ends or joins. The loop pauses between windows, its requests
+    kept: each window continues the steady state the last one left."""
+
+    def __init__(self, model_dir: Path, running: int, stream_interval: int = 1) -> None:
+        engine = build_engine(
+            EngineConfig(
+                str(model_dir),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=running,
+                    max_num_batched_tokens=max(running, 32),
+                    max_model_len=MODEL_LEN,
+                    stream_interval=stream_interval,
+                ),
+                compilation=CompilationConfig(warm_up="lazy"),
+            )
         )
-    )
-    assert isinstance(engine, LLMEngine)
-    freeze_startup_objects()
-    clock = instrument(engine)
-    tokenize = engine.tokenizer.encode
-    request_ids = itertools.count()
-    client_of: dict[str, int] = {}  # request id -> the client that sent it
+        assert isinstance(engine, LLMEngine)
+        freeze_startup_objects()
+        self.engine, self.clock, self.running = engine, instrument(engine), running
+        self._request_ids = itertools.count()
+        self._client_of: dict[str, int] = {}  # request id -> the client that sent it
+        for i in range(running):
+            self._add(i, first=True)
+        self._step(STREAM_TOKENS // 2)  # into the steady state: requests end and start every step
 
-    def add(i: int, first: bool) -> None:
-        body = _stream_body(i, running, first)
+    def _add(self, i: int, first: bool) -> None:
+        body = _stream_body(i, self.running, first)
         params = SamplingParams(temperature=0, max_tokens=body["max_tokens"], ignore_eos=True)
-        request_id = str(next(request_ids))
-        client_of[request_id] = i
-        engine.add_request(request_id, tokenize(body["prompt"]), params)
+        request_id = str(next(self._request_ids))
+        self._client_of[request_id] = i
+        self.engine.add_request(request_id, self.engine.tokenizer.encode(body["prompt"]), params)
 
-    def run(num_steps: int) -> int:
+    def _step(self, num_steps: int) -> int:
+        """Tokens generated in `num_steps` steps."""
         generated = 0
         for _ in range(num_steps):
-            for output in engine.step():
+            for output in self.engine.step():
                 generated += len(output.outputs[0].token_ids)
                 if output.finished:
-                    add(client_of.pop(output.request_id), first=False)
+                    self._add(self._client_of.pop(output.request_id), first=False)
         return generated
 
-    for i in range(running):
-        add(i, first=True)
-    with contextlib.ExitStack() as placement:
-        if cores == "isolated":
-            placement.enter_context(engine_on_its_own_core(served=False))
-        while True:  # a window in which nothing compiled (a bucket's first use may)
-            run(STREAM_TOKENS // 2)  # into the steady state: requests end and start every step
-            clock.reset()
-            compiled, start, cpu = compilation.count(), time.perf_counter(), time.process_time()
-            generated = run(steps)
-            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-            if compilation.count() == compiled:
-                break
-    engine.close()
-    rate = generated / running / seconds
-    phases = {phase: clock.seconds[phase] * 1e3 / steps for phase in PHASES}
-    phases["host"] = sum(phases[p] for p in HOST_PHASES)
-    phases["step"] = seconds * 1e3 / steps
-    return rate, cpu * 1e3 / (rate * seconds), phases
+    def window(
+        self, seconds: float, cores: str = "shared"
+    ) -> tuple[float, float, dict[str, float]]:
+        """Steps for `seconds` (again while a step compiled: a bucket's first use): engine
+        steps per second as the served rows count them (generated tokens over the running
+        count), the process's CPU milliseconds per step, and the milliseconds per step of
+        each host phase (as in (a)). `cores`: as `--cores` says."""
+        with contextlib.ExitStack() as placement:
+            if cores == "isolated":
+                placement.enter_context(engine_on_its_own_core(served=False))
+            while True:
+                self.clock.reset()
+                compiled, start, cpu = compilation.count(), time.perf_counter(), time.process_time()
+                generated = steps = 0
+                while steps == 0 or time.perf_counter() - start < seconds:
+                    generated += self._step(1)
+                    steps += 1
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+                if compilation.count() == compiled:
+                    break
+        rate = generated / self.running / elapsed
+        phases = {phase: self.clock.seconds[phase] * 1e3 / steps for phase in PHASES}
+        phases["host"] = sum(phases[p] for p in HOST_PHASES)
+        phases["step"] = elapsed * 1e3 / steps
+        return rate, cpu * 1e3 / (rate * elapsed), phases
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 ENGINE_PLACES = {  # --served-engine: where the served engine runs, and the server's processes
@@ -301,9 +316,14 @@ ENGINE_PLACES = {  # --served-engine: where the served engine runs, and the serv
 }
 
 
-def served_steps_per_second(
+# One served window's measure: engine steps per second, and each process's share of a core.
+Served = tuple[float, dict[str, float]]
+Offline = tuple[float, float, dict[str, float]]  # ClosedLoop.window's
+
+
+def served_and_offline(
+    loop: ClosedLoop,
     model_dir: Path,
-    running: int,
     port: int,
     window: float,
     log_dir: Path,
@@ -311,27 +331,36 @@ def served_steps_per_second(
     load_generator: str = "raw",
     stream_interval: int = 1,
     cores: str = "shared",
-) -> tuple[float, dict[str, float]]:
-    """Engine steps per second behind the HTTP server while `running` clients stream, with
+    repeats: int = 3,
+) -> list[tuple[Offline, Served]]:
+    """Offline windows of `loop` and served ones alternating, `repeats` of each, as pairs:
+    engine steps per second behind the HTTP server while `loop.running` clients stream, with
     the engine in its own process (`core`) or on a thread of the server's (`in-process`), and
-    the share of one core each process used in the window (`cpu_shares`)."""
+    the share of one core each process used in the window (`cpu_shares`). The server stays
+    up throughout, idle (no request running) in the offline windows, so that each pair ran
+    minutes apart at most: this VM's speed drifts by more than the ratio's target between
+    runs of the same tree, and a ratio of a pair keeps little of that."""
     command = [
         sys.executable, "-m", "serving.cli", "serve", "--model", str(model_dir),
-        "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", str(running),
-        "--max-num-batched-tokens", str(max(running, 32)), "--max-model-len", str(MODEL_LEN),
-        "--warm-up", "eager", "--max-queued-requests", str(running),
+        "--served-model-name", "bench", "--port", str(port),
+        "--max-num-seqs", str(loop.running), "--max-num-batched-tokens",
+        str(max(loop.running, 32)), "--max-model-len", str(MODEL_LEN), "--warm-up", "eager",
+        "--max-queued-requests", str(loop.running),
         "--compilation-cache-dir", str(baselines.CACHE / "xla-host-overhead"),
         "--stream-interval", str(stream_interval), *ENGINE_PLACES[place],
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    log = log_dir / f"host-overhead-serve-{place}-{running}-{stream_interval}-{cores}.log"
-    with (
-        baselines.server_process(command, url + "/health", log, timeout=1800),
-        contextlib.ExitStack() as placement,
-    ):
-        if cores == "isolated":
-            placement.enter_context(engine_on_its_own_core(served=True))
-        return asyncio.run(_stream_and_sample(url, running, window, load_generator))
+    log = log_dir / f"host-overhead-serve-{place}-{loop.running}-{stream_interval}-{cores}.log"
+    pairs = []
+    with baselines.server_process(command, url + "/health", log, timeout=1800):
+        for _ in range(repeats):
+            offline = loop.window(window, cores)
+            with contextlib.ExitStack() as placement:
+                if cores == "isolated":
+                    placement.enter_context(engine_on_its_own_core(served=True))
+                served = asyncio.run(_stream_and_sample(url, loop.running, window, load_generator))
+            pairs.append((offline, served))
+    return pairs
 
 
 async def _stream_and_sample(
@@ -369,6 +398,13 @@ async def _stream_and_sample(
             for task in streams:
                 task.cancel()  # disconnects: the server aborts them
             await asyncio.gather(*streams, return_exceptions=True)
+        deadline = time.monotonic() + 60
+        while await _metric(client, "num_requests_running") > 0:  # idle before what comes next
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "the server still runs requests a minute after every client left"
+                )
+            await asyncio.sleep(0.1)
     shares = cpu_shares(cpu_before, cpu_after, end - start)
     return (last - first) / running / (end - start), shares
 
@@ -526,38 +562,48 @@ def table(rows: dict[Any, dict[str, float]], label: str = "running seqs") -> lis
 
 
 def served_table(
-    offline: dict[tuple[int, int, str], tuple[float, float, dict[str, float]]],
-    served: dict[tuple[str, int, int, str], tuple[float, dict[str, float]]],
+    comparisons: dict[tuple[str, int, int, str], list[tuple[Offline, Served]]],
 ) -> list[str]:
-    """The served rate against the offline one on the same requests (`offline`: (running,
-    stream interval, cores) -> steps per second and CPU ms per step,
-    `closed_loop_steps_per_second`; `served`: keyed by (engine place, running, stream
-    interval, cores)); how busy each
-    process was meanwhile (cores: CPU seconds per second of the load generator, the API
-    server(s) and the engine core); and the CPU milliseconds per engine step of the engine's
-    process offline, of the engine core served and of the API server(s), which, unlike the
-    rates, do not depend much on what else the machine runs."""
+    """The served rate against the offline one on the same requests, per (engine place,
+    running, stream interval, cores) of `comparisons` (`served_and_offline`'s pairs): the
+    median rate of each, and the median (lowest-highest) of the pairs' ratios; how busy each
+    process was in the served windows (cores: CPU seconds per second of the load generator,
+    the API server(s) and the engine core); and the CPU milliseconds per engine step of the
+    engine's process offline, of the engine core served and of the API server(s), which,
+    unlike the rates, do not depend much on what else the machine runs (means over the
+    windows)."""
     lines = [
         "| streaming clients | stream interval | cores | engine | offline steps/s "
-        "| served steps/s | served / offline | cores: load generator | API server | engine core "
-        "| CPU ms/step: offline | engine core | API server |",
+        "| served steps/s | served / offline: median (range) | cores: load generator "
+        "| API server | engine core | CPU ms/step: offline | engine core | API server |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (place, running, interval, placing), (steps, cpu) in served.items():
-        rate, offline_cpu, _ = offline[running, interval, placing]
-        cores = " | ".join(f"{cpu.get(role, 0.0):.2f}" for role in ("bench", "api", "core"))
-        per_step = " | ".join(f"{cpu.get(role, 0.0) * 1e3 / steps:.2f}" for role in ("core", "api"))
-        lines.append(
-            f"| {running} | {interval} | {placing} | {place} | {rate:.1f} | {steps:.1f} "
-            f"| {steps / rate:.2f} | {cores} | {offline_cpu:.2f} | {per_step} |"
+    targets = []
+    for (place, running, interval, placing), pairs in comparisons.items():
+        offline = statistics.median(o[0] for o, _ in pairs)
+        served = statistics.median(s[0] for _, s in pairs)
+        ratios = sorted(s[0] / o[0] for o, s in pairs)
+        ratio = f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+        cores = " | ".join(
+            f"{statistics.mean(s[1].get(role, 0.0) for _, s in pairs):.2f}"
+            for role in ("bench", "api", "core")
         )
-    targets = [
-        f"- served / offline at 256 streaming clients, engine {place}, stream interval "
-        f"{interval}, cores {placing}: {steps / offline[256, interval, placing][0]:.2f} (target "
-        f"0.8: {'met' if steps >= 0.8 * offline[256, interval, placing][0] else 'NOT met'})"
-        for (place, running, interval, placing), (steps, _) in served.items()
-        if running == 256
-    ]
+        per_step = " | ".join(
+            f"{statistics.mean(s[1].get(role, 0.0) * 1e3 / s[0] for _, s in pairs):.2f}"
+            for role in ("core", "api")
+        )
+        offline_cpu = statistics.mean(o[1] for o, _ in pairs)
+        lines.append(
+            f"| {running} | {interval} | {placing} | {place} | {offline:.1f} | {served:.1f} "
+            f"| {ratio} | {cores} | {offline_cpu:.2f} | {per_step} |"
+        )
+        if running == 256:
+            met = "met" if statistics.median(ratios) >= 0.8 else "NOT met"
+            targets.append(
+                f"- served / offline at 256 streaming clients, engine {place}, stream interval "
+                f"{interval}, cores {placing}: {ratio} over {len(pairs)} pairs of windows "
+                f"(target 0.8: {met})"
+            )
     return [*lines, *([""] if targets else []), *targets]
 
 
@@ -617,7 +663,18 @@ def parser() -> argparse.ArgumentParser:
         default=[16, 64, 256],
         help="running sizes to measure behind the server too (none: skip)",
     )
-    p.add_argument("--window", type=float, default=5.0, help="seconds sampled behind the server")
+    p.add_argument(
+        "--window",
+        type=float,
+        default=5.0,
+        help="seconds of each window, offline and behind the server",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="offline and served windows alternating, this many of each, per served row",
+    )
     p.add_argument(
         "--served-engine",
         nargs="+",
@@ -706,22 +763,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                     for mode in (False, True)
                 }
     engine.close()
-    offline = {
-        (n, k, c): closed_loop_steps_per_second(model_dir, n, args.steps * 4, k, c)
-        for c in args.cores
-        for n in args.served
-        for k in args.stream_interval
-    }
-    served = {
-        (place, n, k, c): served_steps_per_second(
-            model_dir, n, args.port, args.window, model_dir, place, args.load_generator, k, c
-        )
-        for c in args.cores
-        for n in args.served
-        for k in args.stream_interval
-        for place in args.served_engine
-    }
-    churn = {f"{n} | {k} | {c}": phases for (n, k, c), (_, _, phases) in offline.items()}
+    comparisons: dict[tuple[str, int, int, str], list[tuple[Offline, Served]]] = {}
+    for n in args.served:
+        for k in args.stream_interval:
+            loop = ClosedLoop(model_dir, n, k)
+            for c in args.cores:
+                for place in args.served_engine:
+                    comparisons[place, n, k, c] = served_and_offline(
+                        loop, model_dir, args.port, args.window, model_dir, place,
+                        args.load_generator, k, c, args.repeats,
+                    )  # fmt: skip
+            loop.close()
+    churn: dict[str, dict[str, float]] = {}  # (a)'s phases, the mean of the offline windows'
+    for (_, n, k, c), pairs in comparisons.items():
+        windows = [phases for (_, _, phases), _ in pairs]
+        churn[f"{n} | {k} | {c}"] = {p: statistics.mean(w[p] for w in windows) for p in windows[0]}
     command = "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = "\n".join(
         [
@@ -738,9 +794,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             *(async_table(pinned[False], pinned[True]) if pinned else []),
             "",
             *_target_line(rows, asynchronous, pinned),
-            *(["", *served_table(offline, served)] if served else []),
-            *(["", CHURN_HEADING, ""] if offline else []),
-            *(table(churn, "streaming clients | stream interval | cores") if offline else []),
+            *(["", *served_table(comparisons)] if comparisons else []),
+            *(["", CHURN_HEADING, ""] if churn else []),
+            *(table(churn, "streaming clients | stream interval | cores") if churn else []),
         ]
     )
     print(text)

@@ -71,7 +71,8 @@ def test_host_overhead_closed_loop_smoke() -> None:
     out = run_bench(
         "-c",
         "from bench import host_overhead as h; "
-        "rate, cpu_ms, phases = h.closed_loop_steps_per_second(h.write_checkpoint(), 4, 8); "
+        "loop = h.ClosedLoop(h.write_checkpoint(), 4); "
+        "rate, cpu_ms, phases = loop.window(0.2); loop.close(); "
         "print(rate, cpu_ms, phases['build'], phases['step'])",
     )
     rate, cpu_ms, build, step = map(float, out.strip().splitlines()[-1].split())
