@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +132,12 @@ def llamacpp_version() -> str:
 @contextmanager
 def server_process(command: Sequence[str], url: str, log: Path, timeout: float) -> Iterator[float]:
     """Starts a server, waits for `url` to answer 200 and yields the start-up seconds (load and
-    warm-up); stops it with SIGTERM (then SIGKILL) on exit."""
+    warm-up); stops it with SIGTERM (then SIGKILL) on exit. Refuses to start while something
+    answers at `url` already: a server left from an interrupted run would be measured instead,
+    its own configuration unseen."""
+    with suppress(httpx.TransportError):
+        httpx.get(url, timeout=2)
+        raise RuntimeError(f"something already answers at {url}: a server of an earlier run?")
     start = time.perf_counter()
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
+import sys
+import threading
 from typing import Any
+
+import pytest
 
 from bench import baselines, compare
 
@@ -38,3 +43,23 @@ def test_llama_server_runs_one_slot_per_client_with_continuous_batching(tmp_path
 
     assert (flag("-np"), flag("-c"), flag("-t"), flag("--port")) == ("64", "65536", "2", "8733")
     assert "--cont-batching" in command
+
+
+def test_a_server_is_not_started_where_another_already_answers(tmp_path: Any) -> None:
+    """A server left running by an interrupted run would answer the new one's health checks,
+    and be measured in its place (it was, once, and its CPU went unseen)."""
+    left_over = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), http.server.BaseHTTPRequestHandler
+    )
+    threading.Thread(target=left_over.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{left_over.server_address[1]}/health"
+    command = [sys.executable, "-c", "raise SystemExit('started')"]
+    try:
+        with (
+            pytest.raises(RuntimeError, match="already answers at"),
+            baselines.server_process(command, url, tmp_path / "log", timeout=10),
+        ):
+            pass
+    finally:
+        left_over.shutdown()
+    assert not (tmp_path / "log").exists()  # nothing was started
