@@ -307,7 +307,8 @@ class _RowNumbers:
                 len(r.output_token_ids),
             )  # fmt: skip
         held = [0] * len(ids) if kv_cache is None else kv_cache.num_pages_held_each(ids)
-        return cls(*np.array(flat, np.int64).reshape(-1, 5).T, np.array(held, np.int64))
+        starts, counts, pending, prompts, outputs = np.array(flat, np.int64).reshape(-1, 5).T
+        return cls(starts, counts, pending, prompts, outputs, np.array(held, np.int64))
 
 
 @dataclass

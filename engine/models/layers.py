@@ -113,8 +113,9 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
 def dense_all(x: jax.Array, ws: Sequence[Weight]) -> list[jax.Array]:
     """[dense(x, w) for w in ws]: x against several weights (gate and up), quantized ones the
     kernel takes alike in one call (`quant.products`)."""
-    if all(isinstance(w, QuantizedWeight) and w.values.ndim == 2 for w in ws):
-        return [y.astype(x.dtype) for y in quant.products(x, ws)]
+    quantized = [w for w in ws if isinstance(w, QuantizedWeight) and w.values.ndim == 2]
+    if len(quantized) == len(ws):
+        return [y.astype(x.dtype) for y in quant.products(x, quantized)]
     return [dense(x, w) for w in ws]
 
 
