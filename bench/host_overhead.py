@@ -368,16 +368,17 @@ async def _stream_and_sample(
 ) -> tuple[float, dict[str, float]]:
     limits = httpx.Limits(max_connections=running + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        steady: set[int] = set()  # the clients whose second request has begun
         streams = [
             asyncio.create_task(
-                _stream_raw(url, i, running)
+                _stream_raw(url, i, running, steady)
                 if load_generator == "raw"
-                else _stream_httpx(client, i, running)
+                else _stream_httpx(client, i, running, steady)
             )
             for i in range(running)
         ]
         try:
-            while (await _metric(client, "num_requests_running")) < running:
+            while len(steady) < running:
                 failed = [t for t in streams if t.done()]
                 if failed:
                     failed[0].result()  # raises what ended it
@@ -497,20 +498,23 @@ def _stream_body(i: int, running: int, first: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def _stream_httpx(client: httpx.AsyncClient, i: int, running: int) -> None:
+async def _stream_httpx(client: httpx.AsyncClient, i: int, running: int, steady: set[int]) -> None:
     """One client (httpx, parsing every SSE line): a streamed completion read to its end, then
-    the next, until cancelled (so that as many sequences run through the whole window)."""
+    the next, until cancelled (so that as many sequences run through the whole window). It
+    joins `steady` once its second request, the first of the full length, is answered."""
     for k in itertools.count():
         body = _stream_body(i, running, first=k == 0)
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread())[:300]
                 raise RuntimeError(f"HTTP {response.status_code}: {text!r}")
+            if k == 1:
+                steady.add(i)
             async for _ in response.aiter_lines():
                 pass
 
 
-async def _stream_raw(url: str, i: int, running: int) -> None:
+async def _stream_raw(url: str, i: int, running: int, steady: set[int]) -> None:
     """As `_stream_httpx`, over a bare asyncio connection kept alive from request to request
     (as an OpenAI client's connection pool does): every byte of every response is read, its
     status checked and its end (`data: [DONE]`, then the chunked body's last chunk) found, but
@@ -529,6 +533,8 @@ async def _stream_raw(url: str, i: int, running: int) -> None:
             status = await reader.readline()
             if not status.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"{status!r}: {(await reader.read(300))!r}")
+            if k == 1:
+                steady.add(i)
             tail = b""
             while not tail.endswith(_STREAM_END):
                 chunk = await reader.read(1 << 16)
