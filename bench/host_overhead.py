@@ -660,7 +660,7 @@ def _target_line(
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--running", type=int, nargs="+", default=[16, 64, 256, 1024])
-    p.add_argument("--steps", type=int, default=30, help="timed decode steps per size")
+    p.add_argument("--steps", type=int, default=100, help="timed decode steps per size")
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument(
         "--served",
