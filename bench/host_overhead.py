@@ -19,30 +19,31 @@ the engine's own methods on this one instance; nothing in the engine changes.
 
 Then the same model behind `xlaserve serve` with as many streaming clients as sequences: the
 engine's steps per second there (generated tokens per second over the running count, from
-/metrics, once every client streams) against its offline rate on the same requests: an engine
-configured as the server's, the same clients' requests stepped in this process with no server
-(the rows of (a) are not that work: their contexts are shorter and all of one length, and the
-CPU attention's cost follows the longest). The two alternate, `--repeats` windows of each,
-`--window` seconds long, the server kept up (and idle while the offline engine steps): this
-VM's speed drifts by more than the ratio's target between runs minutes apart, so the table
-gives the median of the pairs' ratios and their range. The clients run in this process on
-the same two cores, as a load generator beside a server does; each streams a completion to its
-end and starts the next (their first requests of staggered lengths, so that requests end spread over
-the steps), and by default reads every byte of every stream over a bare asyncio
-connection without parsing it (`--load-generator raw`): httpx parsing every SSE line
-(`--load-generator httpx`) takes a large share of the two cores from the server and the engine
-core, which a client on another machine would not. Beside the rates, each process's CPU in the
-window (from /proc: this process, the API server(s), the engine core) and the CPU milliseconds
-per step of the engine offline, of the engine core and of the API server served; the rates
-depend on what else runs on the machine, the CPU per step much less. For a profile of the
-served engine core, set XLASERVE_PROFILE_CORE (serving/engine_core.py). Each served row runs
-with every `--stream-interval` given (default 1, each token sent as it comes, and 8, SGLang's
-option of sending a stream's tokens in chunks after its first), offline configured the same.
-With `--cores isolated` as well, the served rows run again with the engine core process on a
-core of its own and the API server and the load generator on the other, and the offline engine
-on that one core too: the process boundary's own cost, without the two cores' contention
-(a server host has cores to spare beside its accelerator; this VM has two). Last, (a)'s phases
-in those offline runs, where requests end and join nearly every step, as behind a server.
+/metrics, once every client's second request streams) against its offline rate on the same
+requests: an engine configured as the server's, the same clients' requests stepped in this
+process with no server (the rows of (a) are not that work: their contexts are shorter and all
+of one length, and the CPU attention's cost follows the longest). The two alternate,
+`--repeats` windows of each, `--window` seconds long, the server kept up (and idle while the
+offline engine steps): this VM's speed drifts by more than the ratio's target between runs
+minutes apart, so the table gives the median of the pairs' ratios and their range. The
+clients run in this process on the same two cores, as a load generator beside a server does;
+each streams a completion to its end and starts the next (their first requests of staggered
+lengths, so that requests end spread over the steps), and by default reads every byte of
+every stream over a bare asyncio connection without parsing it (`--load-generator raw`):
+httpx parsing every SSE line (`--load-generator httpx`) takes a large share of the two cores
+from the server and the engine core, which a client on another machine would not. Beside the
+rates, each process's CPU in the window (from /proc: this process, the API server(s), the
+engine core) and the CPU milliseconds per step of the engine offline, of the engine core and
+of the API server served; the rates depend on what else runs on the machine, the CPU per step
+much less. For a profile of the served engine core, set XLASERVE_PROFILE_CORE
+(serving/engine_core.py). Each served row runs with every `--stream-interval` given (default
+1, each token sent as it comes, and 8, SGLang's option of sending a stream's tokens in chunks
+after its first), offline configured the same. With `--cores isolated` as well, the served
+rows run again with the engine core process on a core of its own and the API server and the
+load generator on the other, and the offline engine on that one core too: the process
+boundary's own cost, without the two cores' contention (a server host has cores to spare
+beside its accelerator; this VM has two). Last, (a)'s phases in those offline runs, where
+requests end and join nearly every step, as behind a server.
 
 (c) The sizes above with asynchronous scheduling off and on, side by side: steps per second,
 and the asynchronous loop's own phases (its `wait` is what the device step did not hide).
