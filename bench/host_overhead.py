@@ -781,10 +781,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                         args.load_generator, k, c, args.repeats,
                     )  # fmt: skip
             loop.close()
-    churn: dict[str, dict[str, float]] = {}  # (a)'s phases, the mean of the offline windows'
+    offline_windows: dict[str, list[dict[str, float]]] = defaultdict(list)  # every place's
     for (_, n, k, c), pairs in comparisons.items():
-        windows = [phases for (_, _, phases), _ in pairs]
-        churn[f"{n} | {k} | {c}"] = {p: statistics.mean(w[p] for w in windows) for p in windows[0]}
+        offline_windows[f"{n} | {k} | {c}"] += [phases for (_, _, phases), _ in pairs]
+    churn = {  # (a)'s phases, the mean of the offline windows
+        key: {p: statistics.mean(w[p] for w in windows) for p in windows[0]}
+        for key, windows in offline_windows.items()
+    }
     command = "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = "\n".join(
         [
