@@ -37,6 +37,7 @@ import uvloop
 
 from engine.config import EngineConfig
 from engine.errors import XlaserveError
+from engine.host_gc import freeze_startup_objects
 from serving import processes
 from serving.admission import AdmissionLimit, Counter
 from serving.async_engine import AsyncEngine
@@ -138,7 +139,6 @@ def run_api_server(
 
 def _run_in_process(config: EngineConfig, options: ServeOptions) -> int:
     from engine.builder import build_engine, run_follower, start_processes
-    from engine.host_gc import freeze_startup_objects
 
     if not start_processes(config):
         run_follower(config)
@@ -148,7 +148,6 @@ def _run_in_process(config: EngineConfig, options: ServeOptions) -> int:
 
     def load() -> Front:
         engine = build_engine(config)
-        freeze_startup_objects()
         return AsyncEngine(engine, step_timeout=options.step_timeout)
 
     serve = _serve(options, app, server, admission, load, None, None, exit_at_once=True)
@@ -254,6 +253,7 @@ async def _serve(
         except BaseException as e:
             loop.call_soon_threadsafe(on_failed, e)
         else:
+            freeze_startup_objects()  # what the collector traverses from now on: the requests'
             loop.call_soon_threadsafe(on_loaded, async_engine)
 
     def stop_grpc() -> None:
