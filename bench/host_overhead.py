@@ -82,6 +82,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
+import uvloop
 
 from bench import baselines, common
 from engine import compilation
@@ -359,7 +360,9 @@ def served_and_offline(
             with contextlib.ExitStack() as placement:
                 if cores == "isolated":
                     placement.enter_context(engine_on_its_own_core(served=True))
-                served = asyncio.run(_stream_and_sample(url, loop.running, window, load_generator))
+                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                    sampled = _stream_and_sample(url, loop.running, window, load_generator)
+                    served = runner.run(sampled)
             pairs.append((offline, served))
     return pairs
 
@@ -516,13 +519,16 @@ async def _stream_httpx(client: httpx.AsyncClient, i: int, running: int, steady:
 
 
 async def _stream_raw(url: str, i: int, running: int, steady: set[int]) -> None:
-    """As `_stream_httpx`, over a bare asyncio connection kept alive from request to request
-    (as an OpenAI client's connection pool does): every byte of every response is read, its
-    status checked and its end (`data: [DONE]`, then the chunked body's last chunk) found, but
-    nothing is parsed, so that the load generator, on the same two cores, takes as little from
-    the server as a client on another machine would."""
+    """As `_stream_httpx`, over a bare connection kept alive from request to request (as an
+    OpenAI client's connection pool does): every byte of every response is received, its status
+    checked and its end (`data: [DONE]`, then the chunked body's last chunk) found, but nothing
+    is parsed, and the bytes are taken in `_RawResponses.data_received`, a call from the event
+    loop (uvloop's, in C) per arriving segment rather than a coroutine resumed per read, so that
+    the load generator, on the same two cores, takes as little from the server as a client on
+    another machine would."""
     host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+    loop = asyncio.get_running_loop()
+    transport, responses = await loop.create_connection(_RawResponses, host, int(port))
     try:
         for k in itertools.count():
             body = json.dumps(_stream_body(i, running, first=k == 0)).encode()
@@ -530,20 +536,47 @@ async def _stream_raw(url: str, i: int, running: int, steady: set[int]) -> None:
                 f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
             ).encode()
-            writer.write(head + body)
-            status = await reader.readline()
-            if not status.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"{status!r}: {(await reader.read(300))!r}")
+            answered = responses.expect()
+            transport.write(head + body)
+            await answered
             if k == 1:
                 steady.add(i)
-            tail = b""
-            while not tail.endswith(_STREAM_END):
-                chunk = await reader.read(1 << 16)
-                if not chunk:
-                    raise RuntimeError(f"a stream ended without [DONE]: {tail!r}")
-                tail = (tail + chunk)[-64:]
     finally:
-        writer.close()
+        transport.close()
+
+
+class _RawResponses(asyncio.Protocol):
+    """One connection's responses, one at a time: `expect()` before each request gives a
+    future that is done once the response's last bytes arrived (or fails on a status other than
+    200, or on the connection's end)."""
+
+    def __init__(self) -> None:
+        self._answered: asyncio.Future[None] | None = None
+        self._head = b""  # the response's first bytes, until its status line is whole
+        self._tail = b""  # its last bytes, where its end shows
+
+    def expect(self) -> asyncio.Future[None]:
+        self._answered = asyncio.get_running_loop().create_future()
+        self._head, self._tail = b"", b""
+        return self._answered
+
+    def data_received(self, data: bytes) -> None:
+        answered = self._answered
+        if answered is None or answered.done():
+            return
+        if b"\r\n" not in self._head:
+            self._head += data[:64]
+            if b"\r\n" in self._head and not self._head.startswith(b"HTTP/1.1 200"):
+                answered.set_exception(RuntimeError(f"{self._head!r}: {data[:300]!r}"))
+                return
+        self._tail = (self._tail + data[-64:])[-64:]
+        if self._tail.endswith(_STREAM_END):
+            answered.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._answered is not None and not self._answered.done():
+            error = RuntimeError(f"the connection ended mid-response: {self._tail!r}")
+            self._answered.set_exception(error)
 
 
 _STREAM_END = b"data: [DONE]\n\n\r\n0\r\n\r\n"  # the last event, then the last chunk

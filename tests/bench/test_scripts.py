@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -84,3 +85,53 @@ def test_step_breakdown_smoke() -> None:
     out = run_bench(str(ROOT / "bench" / "step_breakdown.py"), "--smoke")
     assert "| running | ms a step | ms a token | host | device step |" in out
     assert re.search(r"^\| 1 \| [\d.]+ \| [\d.]+ \| ", out, re.MULTILINE), out[-2000:]
+
+
+@pytest.mark.parametrize("status", [200, 503])
+def test_host_overhead_raw_client(status: int) -> None:
+    """The served rows' load generator against a stand-in server answering in odd segments: a
+    client's requests follow one another once each answer's last bytes arrive (its second
+    request makes it steady); a status other than 200 fails it."""
+    import asyncio
+
+    from bench import host_overhead
+
+    answer = (
+        b"HTTP/1.1 %d OK\r\ntransfer-encoding: chunked\r\n\r\n" % status
+        + b'10\r\ndata: {"a": 1}\n\n\r\n'
+        + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+    )
+    requests: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            length = re.search(rb"Content-Length: (\d+)", head)
+            assert length is not None
+            requests.append(await reader.readexactly(int(length.group(1))))
+            for start in range(0, len(answer), 7):  # segments cut anywhere
+                writer.write(answer[start : start + 7])
+                await writer.drain()
+                await asyncio.sleep(0)
+
+    async def run() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        steady: set[int] = set()
+        client = asyncio.create_task(
+            host_overhead._stream_raw(f"http://127.0.0.1:{port}", 3, 4, steady)
+        )
+        try:
+            while not steady and not client.done():
+                await asyncio.sleep(0.01)
+            if status != 200:
+                with pytest.raises(RuntimeError, match="503"):
+                    await asyncio.wait_for(client, 10)
+                return
+            assert steady == {3} and len(requests) >= 2
+            first, second = (json.loads(r)["max_tokens"] for r in requests[:2])
+            assert (first, second) == (150, 200)  # client 3 of 4: its first is shorter
+        finally:
+            client.cancel()
+            server.close()
+
+    asyncio.run(run())
