@@ -10,13 +10,13 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from engine.chat_template import render_chat
 from engine.request import RequestOutput, SamplingParams
 from engine.tokenizer import Tokenizer
 from serving.openai.errors import APIError
 from serving.openai.generation import (
+    EventStream,
     deltas,
     final_outputs,
     merge,
@@ -60,7 +60,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = answer.stream(merge([stream]), include_usage)
-        return StreamingResponse(server_sent_events(chunks), media_type="text/event-stream")
+        return EventStream(server_sent_events(chunks))
     (output,) = await until_disconnected(request, final_outputs([stream]))
     return answer.complete(output)
 

@@ -9,12 +9,12 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from engine.request import CompletionOutput, RequestOutput, SamplingParams
 from engine.tokenizer import Tokenizer
 from serving.openai.errors import APIError
 from serving.openai.generation import (
+    EventStream,
     deltas,
     final_outputs,
     merge,
@@ -54,7 +54,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = answer.stream(merge(streams), include_usage)
-        return StreamingResponse(server_sent_events(chunks), media_type="text/event-stream")
+        return EventStream(server_sent_events(chunks))
     outputs = await until_disconnected(request, final_outputs(streams))
     return answer.complete(outputs)
 

@@ -5,13 +5,15 @@ them, server-sent events, and giving up when the client goes away."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from engine.request import CompletionOutput, OutputAccumulator, RequestOutput, Usage
 from serving.openai.errors import ClientDisconnected, as_api_error, error_body
@@ -145,7 +147,7 @@ _JSON = msgspec.json.Encoder()  # ~10x json.dumps on a chunk: one per streamed t
 
 async def server_sent_events(
     chunks: AsyncGenerator[dict[str, Any], None],
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """`data: {json}` events ending in `data: [DONE]`; an error after the stream began is sent
     as a `data: {"error": ...}` event (the status line has already gone out)."""
     try:
@@ -156,6 +158,52 @@ async def server_sent_events(
         error = as_api_error(e)
         yield b"data: %b\n\n" % _JSON.encode(error_body(error.status, error.message, error.param))
     yield b"data: [DONE]\n\n"
+
+
+class EventStream(Response):
+    """A streamed answer of server-sent events (`server_sent_events`' bytes), as Starlette's
+    StreamingResponse sends it, minus its anyio task group per answer: a plain task watches
+    for the client's disconnect and cancels the streaming one, whose stream, closed, aborts
+    its engine requests; the answer then ends as if sent. ~25 against ~155 µs of CPU per
+    26-event answer beyond making the events (one answer in flight, uvloop); with 256 clients
+    the server starts one to two answers per engine step."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[bytes, None]):
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        sending, gone = True, False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if sending:  # the streaming task waits inside the try below
+                gone = True
+                streaming.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            async with aclosing(self.events) as events:
+                start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+                await send(start)
+                async for chunk in events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            streaming.uncancel()
+        finally:
+            sending = False  # before any other await: no cancel lands past this answer
+            watcher.cancel()
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:

@@ -162,7 +162,7 @@ class ServerState:
 class ReleaseAdmissions:
     """ASGI middleware: gives back what `ServerState.admit` took for a request once the app
     has finished with it: its answer (streamed or not) sent, an error answered, the client
-    gone, or the task cancelled; a StreamingResponse that never ran its body included."""
+    gone, or the task cancelled; an EventStream that never ran its body included."""
 
     def __init__(self, app: ASGIApp):
         self.app = app

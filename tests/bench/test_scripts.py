@@ -36,7 +36,14 @@ def test_no_script_shadows_an_installed_module(folder: str) -> None:
 
 @pytest.mark.parametrize(
     "script",
-    ["startup.py", "weights_dtype.py", "host_overhead.py", "structured.py", "speculative.py"],
+    [
+        "startup.py",
+        "weights_dtype.py",
+        "host_overhead.py",
+        "structured.py",
+        "speculative.py",
+        "event_stream.py",
+    ],
 )
 def test_help(script: str) -> None:
     assert "--write-results" in run_bench(str(ROOT / "bench" / script), "--help", timeout=60)

@@ -331,8 +331,8 @@ def test_the_admission_limit_holds_and_every_way_out_gives_back(byte_tokenizer) 
 
 
 async def _send_nothing_of_a_stream(app) -> None:
-    """A streamed request whose client is gone before the response starts: the StreamingResponse
-    is returned, but its body is never iterated."""
+    """A streamed request whose client is gone before the response starts: the EventStream is
+    returned, but its body is never iterated."""
     body = json.dumps(chat(stream=True)).encode()
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
