@@ -94,6 +94,17 @@ def test_step_breakdown_smoke() -> None:
     assert re.search(r"^\| 1 \| [\d.]+ \| [\d.]+ \| ", out, re.MULTILINE), out[-2000:]
 
 
+def test_event_stream_smoke() -> None:
+    """bench/event_stream.py end to end with few answers: both responses, each event count."""
+    out = run_bench(
+        str(ROOT / "bench" / "event_stream.py"),
+        *("--events", "1", "3", "--answers", "20", "--rounds", "1"),
+    )
+    for count in (1, 3):
+        for name in ("Starlette StreamingResponse", "EventStream"):
+            assert re.search(rf"^\| {count} \| {name} \| -?[\d.]+ \(", out, re.MULTILINE), out
+
+
 @pytest.mark.parametrize("status", [200, 503])
 def test_host_overhead_raw_client(status: int) -> None:
     """The served rows' load generator against a stand-in server answering in odd segments: a
