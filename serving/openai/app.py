@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import secrets
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -16,6 +15,7 @@ from serving.openai import chat, completions, lora
 from serving.openai.errors import APIError, BodySizeLimit, install_error_handlers
 from serving.openai.metrics import CONTENT_TYPE
 from serving.openai.protocol import DetokenizeRequest, TokenizeRequest
+from serving.openai.routing import check_api_key
 from serving.openai.state import ReleaseAdmissions, ServerLimits, ServerState
 from serving.openai.tool_use import ChatSettings
 
@@ -43,7 +43,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(ReleaseAdmissions)
-    guarded = [Depends(_check_api_key)]
+    guarded = [Depends(check_api_key)]  # json_post's routes check it themselves
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(chat.router, dependencies=guarded)
     app.include_router(_api, dependencies=guarded)
@@ -72,16 +72,6 @@ def attach_engine(app: FastAPI, async_engine: Front) -> None:
 def _state_of(app: Any) -> ServerState:
     state: ServerState = app.state.server
     return state
-
-
-async def _check_api_key(request: Request) -> None:
-    key = _state_of(request.app).limits.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    token = given.removeprefix("Bearer ").strip() if given.startswith("Bearer ") else ""
-    if not secrets.compare_digest(token.encode(), key.encode()):
-        raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
 
 
 _api = APIRouter()  # behind the API key

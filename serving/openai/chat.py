@@ -27,13 +27,14 @@ from serving.openai.generation import (
 from serving.openai.logprobs import chat_logprobs
 from serving.openai.params import refuse_unsupported, sampling_params
 from serving.openai.protocol import ChatCompletionRequest, ChatMessage, TextPart, ToolCallBody
+from serving.openai.routing import json_post
 from serving.openai.state import ServerState
 from serving.openai.tool_use import ToolUse
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@json_post(router, "/v1/chat/completions", ChatCompletionRequest)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.server
     lora_name = state.check_model(body.model)

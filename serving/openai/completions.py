@@ -25,12 +25,13 @@ from serving.openai.generation import (
 from serving.openai.logprobs import completion_logprobs
 from serving.openai.params import refuse_unsupported, sampling_params
 from serving.openai.protocol import MAX_PROMPTS, CompletionRequest
+from serving.openai.routing import json_post
 from serving.openai.state import ServerState
 
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@json_post(router, "/v1/completions", CompletionRequest)
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.server
     lora_name = state.check_model(body.model)

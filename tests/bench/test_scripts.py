@@ -43,6 +43,7 @@ def test_no_script_shadows_an_installed_module(folder: str) -> None:
         "structured.py",
         "speculative.py",
         "event_stream.py",
+        "request_path.py",
     ],
 )
 def test_help(script: str) -> None:
@@ -103,6 +104,18 @@ def test_event_stream_smoke() -> None:
     for count in (1, 3):
         for name in ("Starlette StreamingResponse", "EventStream"):
             assert re.search(rf"^\| {count} \| {name} \| -?[\d.]+ \(", out, re.MULTILINE), out
+
+
+def test_request_path_smoke() -> None:
+    """bench/request_path.py end to end with few requests: both routes, every request kind
+    (it raises unless each request is answered 200)."""
+    out = run_bench(
+        str(ROOT / "bench" / "request_path.py"),
+        *("--events", "1", "3", "--requests", "20", "--rounds", "1"),
+    )
+    for kind, count in [("streamed completion", 3), ("completion", 1), ("streamed chat", 1)]:
+        for route in ("FastAPI path operation", r"json_post \(served\)"):
+            assert re.search(rf"^\| {kind} \| {count} \| {route} \| [\d.]+ \(", out, re.M), out
 
 
 @pytest.mark.parametrize("status", [200, 503])

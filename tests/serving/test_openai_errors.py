@@ -33,6 +33,11 @@ def chat(**fields):
     return {"model": "tiny", "messages": USER, "max_tokens": 4, **fields}
 
 
+AUTHORIZED = {"Authorization": f"Bearer {API_KEY}"}
+FORM = {"Content-Type": "application/x-www-form-urlencoded", **AUTHORIZED}
+NO_TYPE = {"Content-Type": "", **AUTHORIZED}
+
+
 # (name, path, body: dict | bytes, headers, status, param)
 CASES = [
     ("prompt of wrong type", CMPL, cmpl(prompt=5), None, 400, "prompt"),
@@ -192,6 +197,11 @@ CASES = [
     ("unknown model in chat", CHAT, chat(model="gpt-9"), None, 404, "model"),
     ("missing API key", CMPL, cmpl(), {}, 401, None),
     ("wrong API key", CHAT, chat(), {"Authorization": "Bearer nope"}, 401, None),
+    ("missing API key in chat", CHAT, chat(), {}, 401, None),
+    ("empty body", CMPL, b"", None, 400, None),
+    # A body is JSON only when its content type says so (as FastAPI reads a body parameter).
+    ("form-encoded body", CMPL, json.dumps(cmpl()).encode(), FORM, 400, None),
+    ("no content type", CHAT, json.dumps(chat()).encode(), NO_TYPE, 400, None),
     ("oversized body", CMPL, cmpl(prompt="a" * (2 * 2**20)), None, 413, None),
     ("detokenize out of vocab", "/detokenize", {"tokens": [99999]}, None, 400, "tokens"),
     ("tokenize with nothing", "/tokenize", {"model": "tiny"}, None, 400, "prompt"),
