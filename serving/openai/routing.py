@@ -5,9 +5,10 @@ FastAPI's path operation solves the handler's dependencies, parses its content t
 `email` package and encodes a dict answer again on every request: with a stand-in engine, a
 one-event streamed completion cost the app 325 µs of CPU as a plain route against 427 µs as a
 path operation (bench/request_path.py). The generation endpoints, which every request for
-tokens goes through, skip it: `json_post` reads the body as FastAPI reads a body parameter (JSON when its
-content type says so; the same refusals, raised as RequestValidationError for the app's
-handler), checks the API key as the other routes' dependency does, and sends a dict as JSON.
+tokens goes through, skip it: `json_post` reads the body as FastAPI reads a body parameter
+(JSON when its content type says so; the same refusals, raised as RequestValidationError for
+the app's handler), checks the API key as the other routes' dependency does (before reading
+the body), and sends a dict as JSON.
 """
 
 from __future__ import annotations
