@@ -77,7 +77,7 @@ async def read_body(request: Request, model: type[Body]) -> Body:
         except json.JSONDecodeError as e:
             raise RequestValidationError([_malformed(e)]) from None
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, from_attributes=True)  # as FastAPI validates a body
     except ValidationError as e:
         raise RequestValidationError(e.errors(include_url=False)) from None
 
