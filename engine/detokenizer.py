@@ -16,16 +16,16 @@ from __future__ import annotations
 
 from engine.tokenizer_base import Tokenizer
 
-_UNSEEN = ("", "")  # a memo entry not computed yet (never a valid one: its text is empty)
 
-
-class PieceTexts:
+class PieceTexts(dict[int, tuple[str, str] | None]):
     """For each token id, the text it adds after text that ends on a whole character, and its
     text decoded alone; None for a token that adds nothing or not a whole character (a byte of
-    one, a special token skipped). Computed on first use and remembered; valid only for a
-    tokenizer that `decodes_piecewise`."""
+    one, a special token skipped). Index it: an id not seen yet is computed on first use and
+    remembered (`__missing__`), so a seen one costs a dict lookup. Valid only for a tokenizer
+    that `decodes_piecewise`."""
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool) -> None:
+        super().__init__()
         if not tokenizer.decodes_piecewise():
             raise ValueError(f"{type(tokenizer).__name__} does not decode piece by piece")
         self._tokenizer = tokenizer
@@ -34,13 +34,9 @@ class PieceTexts:
         # space that a text's first token loses, for instance).
         self._probe = tokenizer.encode("a", add_special_tokens=False)
         self._probe_text = tokenizer.decode(self._probe, skip_special_tokens)
-        self._memo: dict[int, tuple[str, str] | None] = {}
 
-    def get(self, token_id: int) -> tuple[str, str] | None:
-        """(what the token adds after text, its text alone), or None: decode it in context."""
-        piece = self._memo.get(token_id, _UNSEEN)
-        if piece is _UNSEEN:
-            piece = self._memo[token_id] = self._compute(token_id)
+    def __missing__(self, token_id: int) -> tuple[str, str] | None:
+        piece = self[token_id] = self._compute(token_id)
         return piece
 
     def _compute(self, token_id: int) -> tuple[str, str] | None:
@@ -76,29 +72,29 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._pieces = pieces
+        self._piecewise = pieces is not None
+        self._pieces: dict[int, tuple[str, str] | None] = {} if pieces is None else pieces
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
         self._prefix_text = ""  # decode of ids[_prefix:_read]
+        # Whether the next id may take its piece's text: `pieces` are given, no id is pending
+        # (_read == len(_ids)), and the emitted text is not empty and ends on a whole character.
+        self._whole = False
 
     def add(self, token_id: int) -> str:
         """Feed one id; returns the text it completes (possibly "")."""
         ids = self._ids
         ids.append(token_id)
-        if self._pieces is not None and self._read == len(ids) - 1 and self._clean_prefix():
-            piece = self._pieces.get(token_id)
-            if piece is not None:  # what the window would give: decode(prefix + [id]) - prefix
-                self._prefix, self._read, self._prefix_text = self._read, len(ids), piece[1]
-                return piece[0]
+        if self._whole and (piece := self._pieces[token_id]) is not None:
+            # what the window would give: decode(prefix + [id]) - prefix
+            self._prefix, self._read, self._prefix_text = self._read, len(ids), piece[1]
+            return piece[0]
         text = self._window_text()
         if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
+            self._whole = False  # the id is pending
             return ""  # nothing new, or a character still incomplete: hold it back
         return self._advance(text)
-
-    def _clean_prefix(self) -> bool:
-        """Whether the emitted text of the window is not empty and ends on a whole character."""
-        return bool(self._prefix_text) and not self._prefix_text.endswith("\ufffd")
 
     def flush(self) -> str:
         """Everything held back (an incomplete character comes out as U+FFFD)."""
@@ -112,6 +108,9 @@ class IncrementalDetokenizer:
         delta = text[len(self._prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
         self._prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read], self._skip)
+        self._whole = (
+            self._piecewise and bool(self._prefix_text) and not self._prefix_text.endswith("\ufffd")
+        )
         return delta
 
 

@@ -425,7 +425,7 @@ def test_only_piecewise_decoders_get_piece_texts(tmp_path: Path) -> None:
     assert not tokenizer.decodes_piecewise()
     with pytest.raises(ValueError, match="piece by piece"):
         PieceTexts(tokenizer, skip_special_tokens=True)
-    assert not Detokenizers(tokenizer).new(skip_special_tokens=True)._pieces
+    assert not Detokenizers(tokenizer).new(skip_special_tokens=True)._piecewise
 
 
 # --- errors ------------------------------------------------------------------------------------
