@@ -1,5 +1,5 @@
-"""What every benchmark records: the machine, its measured memory bandwidth, the commit and
-versions; and how it writes its section of bench/RESULTS.md."""
+"""What every benchmark records: the machine, its measured memory bandwidth and Python speed,
+the commit and versions; and how it writes its section of bench/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -40,6 +40,20 @@ def memory_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     return (mib << 20) / statistics.median(times) / 1e9
 
 
+def python_loop_ms(additions: int = 1_000_000, repeats: int = 5) -> float:
+    """Milliseconds for one thread to add `additions` integers in a plain Python loop, the
+    median of `repeats`: how fast this machine runs the interpreter now, which the host's
+    costs (scheduling, detokenization, HTTP) follow as a decode step follows the memory read.
+    (On these VMs it has drifted by up to 4x within a day.)"""
+    times = []
+    for _ in range(repeats):
+        start, total = time.perf_counter(), 0
+        for i in range(additions):
+            total += i
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def commit() -> str:
     try:
         head = subprocess.run(
@@ -57,7 +71,8 @@ def preamble(command: str, versions: dict[str, str]) -> list[str]:
     return [
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         f"- commit: {commit()}",
-        f"- machine: {cpu_name()}, {cores} cores, memory read {memory_bandwidth_gbs():.1f} GB/s",
+        f"- machine: {cpu_name()}, {cores} cores, memory read {memory_bandwidth_gbs():.1f} GB/s, "
+        f"a plain-Python loop of 1M additions {python_loop_ms():.0f} ms",
         f"- versions: python {platform.python_version()}, {listed}",
         f"- command: `{command}`",
     ]
