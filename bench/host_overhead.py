@@ -88,7 +88,7 @@ from bench import baselines, common
 from engine import compilation
 from engine.builder import build_engine
 from engine.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig
-from engine.host_gc import freeze_startup_objects
+from engine.host_gc import configure_collector
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 
@@ -256,7 +256,7 @@ class ClosedLoop:
             )
         )
         assert isinstance(engine, LLMEngine)
-        freeze_startup_objects()
+        configure_collector()
         self.engine, self.clock, self.running = engine, instrument(engine), running
         self._request_ids = itertools.count()
         self._client_of: dict[str, int] = {}  # request id -> the client that sent it
@@ -777,7 +777,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     )
     assert isinstance(engine, LLMEngine)
-    freeze_startup_objects()  # as `xlaserve serve` does once its engine is built
+    configure_collector()  # as `xlaserve serve` does once its engine is built
     clock = instrument(engine)
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.async_scheduling]
     measured = {

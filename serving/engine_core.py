@@ -68,7 +68,7 @@ def run_core(config: EngineConfig, conns: Sequence[Connection], verbose: bool) -
 
     from engine import compilation
     from engine.builder import build_engine
-    from engine.host_gc import freeze_startup_objects
+    from engine.host_gc import configure_collector
 
     # Progress bars lock with a thread lock: tqdm's default multiprocessing lock is a named
     # semaphore, which a core killed by a signal would leave to the resource tracker to remove
@@ -81,7 +81,7 @@ def run_core(config: EngineConfig, conns: Sequence[Connection], verbose: bool) -
         for conn in conns:
             _send_quietly(conn, [(wire.FAILED, _picklable(e))])
         return
-    freeze_startup_objects()
+    configure_collector()
     hello = [(wire.HELLO, engine.model_info(), engine.tokenizer)]
     for conn in conns:
         _send_quietly(conn, hello)

@@ -37,7 +37,7 @@ import uvloop
 
 from engine.config import EngineConfig
 from engine.errors import XlaserveError
-from engine.host_gc import freeze_startup_objects
+from engine.host_gc import configure_collector
 from serving import processes
 from serving.admission import AdmissionLimit, Counter
 from serving.async_engine import AsyncEngine
@@ -253,7 +253,7 @@ async def _serve(
         except BaseException as e:
             loop.call_soon_threadsafe(on_failed, e)
         else:
-            freeze_startup_objects()  # what the collector traverses from now on: the requests'
+            configure_collector()  # what the collector traverses from now on: the requests'
             loop.call_soon_threadsafe(on_loaded, async_engine)
 
     def stop_grpc() -> None:
