@@ -17,10 +17,11 @@ Young collections are the other cost. CPython starts one each time 700 more trac
 several such objects per sequence (its scheduled row, its delta, their lists) that live until
 the step ends: at 1,024 sequences, six collections fell inside every step, each finding that
 step's objects alive and moving them to an older generation, whose collections then traverse
-them again (1.7-2.6 ms of a 20-31 ms step in bench/host_overhead.py's loop). Past a step's
-worth of objects, a collection finds few alive: they were freed, as nearly all objects are, by
-reference counting the moment the step let go of them. Only cyclic garbage waits longer for the
-collector, and at most this many objects of it.
+them again (1.7-2.6 ms of a 20-31 ms step in bench/host_overhead.py's loop). With a threshold
+above a step's worth of objects, a collection comes seldom and finds few of them alive: they
+were freed, as nearly all objects are, by reference counting the moment the step let go of
+them. Only cyclic garbage waits longer for the collector, at most `YOUNG_COLLECTION_THRESHOLD`
+objects of it.
 """
 
 from __future__ import annotations
