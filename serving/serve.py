@@ -253,7 +253,7 @@ async def _serve(
         except BaseException as e:
             loop.call_soon_threadsafe(on_failed, e)
         else:
-            configure_collector()  # what the collector traverses from now on: the requests'
+            configure_collector()  # from now on the collector traverses only the requests' objects
             loop.call_soon_threadsafe(on_loaded, async_engine)
 
     def stop_grpc() -> None:
