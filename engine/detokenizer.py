@@ -63,6 +63,19 @@ class IncrementalDetokenizer:
     as the window would.
     """
 
+    # Touched for every running sequence every step: slots, not an instance dict.
+    __slots__ = (
+        "_ids",
+        "_pieces",
+        "_piecewise",
+        "_prefix",
+        "_prefix_text",
+        "_read",
+        "_skip",
+        "_tokenizer",
+        "_whole",
+    )
+
     def __init__(
         self,
         tokenizer: Tokenizer,

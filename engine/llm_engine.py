@@ -68,7 +68,7 @@ from sharding.layout import ShardingLayout
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Parent:
     """A user's request: n sequences that share its prompt.
 

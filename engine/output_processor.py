@@ -30,6 +30,21 @@ HELD = CompletionOutput(0, "", [])
 class SequenceOutput:
     """One sequence's stop checks, and what of it has not been handed out yet."""
 
+    # Touched for every running sequence every step: slots, not an instance dict.
+    __slots__ = (
+        "_detokenizer",
+        "_eos",
+        "_holdback",
+        "_interval",
+        "_max_model_len",
+        "_num_sent_tokens",
+        "_params",
+        "_stop_ids",
+        "_stopping",
+        "_unsent",
+        "_wants_logprobs",
+    )
+
     def __init__(
         self,
         tokenizer: Tokenizer,

@@ -134,7 +134,7 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence being generated: its tokens so far and where the engine is with it."""
 
@@ -205,7 +205,7 @@ class Request:
 # whose `output()` is a RequestOutput with every field filled in.
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One of a request's n choices: what one step added to it (a delta), or all of it (from
     OutputAccumulator). Not frozen, like RequestOutput: one is made per sequence per step, and
@@ -232,7 +232,7 @@ class Usage:
         return sum(self.output_lengths)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What a request produced in one step (a delta), or in total (from OutputAccumulator);
     read-only (not frozen: see CompletionOutput)."""

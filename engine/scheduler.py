@@ -26,7 +26,7 @@ from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus, context_length_error
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """`num_new_tokens` of `request`, starting at token `start`, go into this step. (Not
     frozen: one is made for every running sequence every step, and a frozen dataclass's
