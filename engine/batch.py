@@ -130,12 +130,19 @@ class BatchBuilder:
         }
 
     def build(
-        self, out: SchedulerOutput, kv_cache: KVCacheManager, *, penalties: bool
+        self,
+        out: SchedulerOutput,
+        kv_cache: KVCacheManager,
+        *,
+        penalties: bool,
+        constrained: bool = False,
     ) -> StepInput:
-        """The scheduled tokens as a host-side StepInput padded to its bucket."""
+        """The scheduled tokens as a host-side StepInput padded to its bucket. `constrained`:
+        some row has a grammar, so the batch carries a token bitmask (all ones, for the
+        grammars to fill); else its `token_bitmask` is None, every token allowed."""
         t = pick_bucket(max(out.num_tokens, 1), self.shapes.token_buckets)
         s = pick_bucket(max(len(out.scheduled), 1), self.shapes.seq_buckets)
-        return self.build_padded(out, kv_cache, t, s, penalties=penalties)
+        return self.build_padded(out, kv_cache, t, s, penalties=penalties, constrained=constrained)
 
     def build_padded(
         self,
@@ -145,6 +152,7 @@ class BatchBuilder:
         s: int,
         *,
         penalties: bool,
+        constrained: bool = False,
     ) -> StepInput:
         """Like `build`, into the (t, s) bucket; an empty `out` gives an all-padding batch."""
         buf = self._buffers[self._turn]
@@ -206,7 +214,7 @@ class BatchBuilder:
             next_token_ids=next_ids[:t],
             sampling=sampling,
             lora_slots=lora_slots[:t],
-            token_bitmask=self._bitmask(buf["token_bitmask"], s),
+            token_bitmask=self._bitmask(buf["token_bitmask"], s) if constrained else None,
             token_src=token_src[:t],
         )
 

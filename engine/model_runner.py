@@ -26,6 +26,7 @@ from engine.lora_slots import LoRASlots
 from engine.models.layers import Params, stack_layers
 from engine.models.lora import LoRAInputs
 from engine.request import MAX_LOGPROBS
+from engine.sampling import bitmask_words
 from engine.scheduler import SchedulerOutput
 from engine.step import StepInput, StepOptions, StepOutput, TokenCarry, attention_metadata
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
@@ -158,6 +159,7 @@ class ModelRunner:
         # S -> `batch.no_bias(S)` on the device: a batch without a logit bias (most) does not
         # send its two largest inputs again each step.
         self._no_bias: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._no_constraint: dict[int, jax.Array] = {}  # S -> `_all_allowed(S)`
         # Called with each batch before it runs (a multi-process leader sends it to followers).
         self.before_step: Callable[[StepInput, StepOptions], None] | None = None
         # Read by the serving side: how long warm-up took, and the process's XLA compilation
@@ -281,7 +283,9 @@ class ModelRunner:
     ) -> StepOutput:
         """Starts one step and returns at once; its outputs are device arrays still being
         computed (`fetch` waits for them), so the host can work in the meantime."""
-        batch = self.builder.build(out, kv_manager, penalties=options.apply_penalties)
+        batch = self.builder.build(
+            out, kv_manager, penalties=options.apply_penalties, constrained=fill_bitmask is not None
+        )
         return self.run_batch(batch, options, fill_bitmask)
 
     def run_batch(
@@ -293,7 +297,8 @@ class ModelRunner:
         `fill_bitmask` writes the constrained rows of the batch's token bitmask (structured
         output). It runs after the forward is dispatched, so the host computes the masks while
         the device computes the logits; only the sampling tail waits for them. (With followers
-        it runs first: they are sent the whole batch.)"""
+        it runs first: they are sent the whole batch.) A batch without a bitmask (no row is
+        constrained: most) samples with the device's all-ones mask of its S bucket."""
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
         forward = self.compiled.get(Variant("forward", tokens=t, seqs=s))
         sample = self.compiled.get(Variant("sample", seqs=s, penalties=options.apply_penalties))
@@ -315,7 +320,10 @@ class ModelRunner:
         )  # fmt: skip
         if fill_bitmask is not None:
             fill_bitmask(batch.token_bitmask)
-        bitmask = self._inputs(batch.token_bitmask)
+        if batch.token_bitmask is None:
+            bitmask = self._all_allowed(s)
+        else:
+            bitmask = self._inputs(batch.token_bitmask)
         sampled, self._carry = sample(out.logits, placed.sampling, want_logprobs, bitmask)
         prompt_out = None
         if prompt is not None:
@@ -324,6 +332,15 @@ class ModelRunner:
             sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs,
             prompt_out, out.expert_counts,
         )  # fmt: skip
+
+    def _all_allowed(self, s: int) -> jax.Array:
+        """i32[S, W] on the device, every bit set: the token bitmask of a batch in which no
+        row is constrained, sent once per S bucket rather than every step (S x V / 32 words: 1.5
+        MiB at S = 256 for a 49,152-token vocabulary)."""
+        if s not in self._no_constraint:
+            words = bitmask_words(self.cfg.vocab_size)
+            self._no_constraint[s] = self.put(np.full((s, words), -1, np.int32))
+        return self._no_constraint[s]
 
     def _bias_on_device(self, batch: StepInput, s: int) -> StepInput:
         """`batch` with the device's copy of the shared no-bias arrays, if it has them."""

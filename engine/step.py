@@ -49,7 +49,7 @@ class StepInput:
     sampling: sampling.SamplingTensors
     lora_slots: Any = None  # i32[T]; each token's adapter slot (0: the base model, padding)
     # i32[S, W]: each sequence's allowed next tokens, packed (structured output; -1: any);
-    # None in batches built without a vocabulary size (they sample unconstrained).
+    # None in a batch with no constrained row: every token allowed.
     token_bitmask: Any = None
     # i32[T]: where a token is still on the device (asynchronous scheduling), its row among the
     # previous step's sampled tokens (`TokenCarry`); -1: token_ids holds it.

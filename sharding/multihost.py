@@ -101,7 +101,8 @@ class Leader:
         """Before running a step: its header, then its batch, to every follower."""
         t, s = batch.token_ids.shape[0], batch.kv_lens.shape[0]
         flags = (options.apply_penalties, options.num_top_logprobs > 0,
-                 options.num_prompt_logprobs is not None)  # fmt: skip
+                 options.num_prompt_logprobs is not None,
+                 batch.token_bitmask is not None)  # fmt: skip
         self._publish(",".join(str(int(x)) for x in (t, s, *flags)))
         multihost_utils.broadcast_one_to_all(batch, is_source=True)
 
@@ -129,9 +130,11 @@ def follow(runner: Any) -> None:
         header = _wait_for(client, f"xlaserve/step/{step}")
         if header == _STOP:
             return
-        t, s, penalties, logprobs, prompt_logprobs = (int(x) for x in header.split(","))
+        t, s, penalties, logprobs, prompt_logprobs, constrained = (
+            int(x) for x in header.split(",")
+        )
         template = runner.builder.build_padded(
-            SchedulerOutput(), None, t, s, penalties=bool(penalties)
+            SchedulerOutput(), None, t, s, penalties=bool(penalties), constrained=bool(constrained)
         )
         batch = multihost_utils.broadcast_one_to_all(template, is_source=False)
         options = runner.options(

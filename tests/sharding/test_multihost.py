@@ -1,7 +1,8 @@
 """Two processes with two CPU devices each (jax.distributed, gloo collectives on 127.0.0.1)
 serve the tiny model over HTTP as one engine (TP=2 inside each process, PP=2 across them):
-greedy outputs equal one process's; a killed follower turns the leader's /health to 503 within
-seconds, and the leader then exits by itself with a one-line error."""
+greedy outputs equal one process's, a constrained request answers one of its choices; a killed
+follower turns the leader's /health to 503 within seconds, and the leader then exits by itself
+with a one-line error."""
 
 from __future__ import annotations
 
@@ -106,6 +107,16 @@ def test_two_processes_serve_like_one_and_fail_cleanly(tmp_path: Path) -> None:
         assert response.status_code == 200, response.text
         choices = sorted(response.json()["choices"], key=lambda c: c["index"])
         assert [c["text"] for c in choices] == one_process_outputs(model)
+        # A constrained request's batches carry a token bitmask (the others none): the step's
+        # header tells the follower which, so that its broadcast matches the leader's.
+        response = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "abc", "max_tokens": 8, "temperature": 0,
+                  "structured_outputs": {"choice": ["yes", "no"]}},
+            timeout=120,
+        )  # fmt: skip
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] in ("yes", "no")
 
         processes[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
