@@ -205,8 +205,10 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._running_sorted = False
+            running = self.running
+            if running and _serving_order(request) < _serving_order(running[-1]):
+                self._running_sorted = False  # (most newcomers go last: the order holds)
+            running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
 

@@ -89,6 +89,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.kv.check_invariants()  # no page owned twice, refcounts match the page tables
         for request in self.scheduler.running:
             assert request.num_computed_tokens <= request.num_tokens
+        if self.scheduler._running_sorted:  # what `schedule` takes as the serving order
+            order = [(r.priority, r.arrival_time) for r in self.scheduler.running]
+            assert order == sorted(order)
 
     def teardown(self) -> None:
         for _ in range(500):
