@@ -89,8 +89,12 @@ def test_host_overhead_closed_loop_smoke() -> None:
 
 
 def test_step_breakdown_smoke() -> None:
-    """bench/step_breakdown.py's three builds (as is, and each stand-in) on a tiny model."""
+    """bench/step_breakdown.py's three builds (as is, and each stand-in) on a tiny model. Each
+    forward is passed every array: a stand-in that left the weights unused once had jit drop
+    them from the call, and their dispatch counted as the products' cost."""
     out = run_bench(str(ROOT / "bench" / "step_breakdown.py"), "--smoke")
+    arrays = re.findall(r"^[a-z ]+, 1 running: [\d.]+ ms a step, (\d+) arrays$", out, re.MULTILINE)
+    assert len(arrays) == 3 and len(set(arrays)) == 1, out[-2000:]
     assert "| running | ms a step | ms a token | host | device step |" in out
     assert re.search(r"^\| 1 \| [\d.]+ \| [\d.]+ \| ", out, re.MULTILINE), out[-2000:]
 
