@@ -175,7 +175,8 @@ def measure(engine: LLMEngine, running: int, args: argparse.Namespace) -> dict[s
 
 def forward_arrays(engine: LLMEngine) -> int:
     """How many arrays the compiled forward is passed: the parameters of its HLO entry (jit
-    leaves out the arguments that nothing in it uses)."""
+    leaves out the arguments that nothing in it uses). Every bucket's forward takes the same
+    arrays, so the first one is read (compiled now if the run did not need it)."""
     compiled = engine.runner.compiled
     forward = next(v for v in compiled.variants() if v.kind == "forward")
     hlo = compiled.get(forward).as_text()

@@ -1165,10 +1165,11 @@ void TransposeTile(const int8_t* rows, const S* row_scales, int64_t k_size, int6
   // (no fault past the end): the hardware prefetcher does not foresee 16 loads a stride apart.
   // SmolLM2's output layer (49152 x 576, float16 scales) on the 2-core AMD EPYC: one row
   // 4.1-4.2 -> 1.4-1.5 ms (its 30 MB at the machine's 33 GB/s would take 0.9), 64 rows
-  // 11-13 -> 8-9 ms. Those timings reread one table, mostly from the 32 MB L3: read from
-  // memory, one row takes 2.0-2.4 ms where a plain two-thread read of 30 MB takes 1.4-1.5, and
-  // neither the transposes (left out: no faster) nor a longer prefetch distance are what
-  // holds it (bench/RESULTS.md, the AMD step breakdown).
+  // 11-13 -> 8-9 ms (how they were timed is not recorded). A timing that rereads one table
+  // finds it mostly in the 32 MB L3 (1.05-1.15 ms a row); read from memory, one row takes
+  // 2.0-2.4 ms where a plain two-thread read of 30 MB takes 1.4-1.5, and neither the
+  // transposes (left out: no faster) nor a longer prefetch distance are what holds it
+  // (bench/RESULTS.md, the AMD step breakdown).
   const int8_t* ahead = rows + kTableAhead * 16 * k_size;
   const auto* ahead_scales = reinterpret_cast<const char*>(row_scales + kTableAhead * 16 * groups);
   for (int64_t byte = 0; byte < 16 * groups * int64_t{sizeof(S)}; byte += 64)
