@@ -14,6 +14,10 @@ import httpx
 from tests.serving.openai_server import API_KEY
 
 CLIENTS, MAX_TOKENS = 64, 12
+# What a client that hangs up asks for: far more than it waits for, so its request is still
+# running when it goes. With MAX_TOKENS, a client that fell behind could be handed the whole
+# answer in one merged event and see [DONE] before its second event (a CI failure of e58efbc).
+HANG_UP_MAX_TOKENS = 200  # of the server's 256-token context
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -30,9 +34,8 @@ def _body(prompt: str, **extra) -> dict:
 
 async def _stream(client: httpx.AsyncClient, prompt: str, hang_up: bool) -> str | None:
     text, events = "", 0
-    async with client.stream(
-        "POST", "/v1/completions", json=_body(prompt, stream=True)
-    ) as response:
+    body = _body(prompt, stream=True, **({"max_tokens": HANG_UP_MAX_TOKENS} if hang_up else {}))
+    async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
