@@ -146,6 +146,7 @@ def quantized_matmul(
     bits: int,
     transposed: bool,
     int8_activations: bool = False,
+    layer: int | None = None,
 ) -> jax.Array:
     """x @ w (or x @ w.T when transposed) for w = values * scales + offsets in groups of G
     consecutive elements along K, 4-bit values two per byte along K (element 2j in the low
@@ -159,8 +160,11 @@ def quantized_matmul(
     does (scale max |x| / 127, round half to even), the integer products summed exactly
     (AVX-512 VNNI's byte dot products where the CPU has them); a row's result does not depend
     on the other rows. Its scales and offsets may be float16 (llama.cpp's Q4_1 and Q8_0 keep
-    them so), read as float32."""
-    n = values.shape[0] if transposed else values.shape[1]
+    them so), read as float32.
+
+    With `layer`, values, scales and offsets are stacks of every layer's weight [L, ...] and
+    the product is with the layer-th, read in place (one array for XLA to pass, not L)."""
+    n = values.shape[-2] if transposed else values.shape[-1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call("xlaserve_quantized_matmul", out, vmap_method="sequential")
     dummy = jnp.zeros((1, 1), jnp.float32)
@@ -173,26 +177,32 @@ def quantized_matmul(
         transposed=np.int64(transposed),
         has_offsets=np.int64(offsets is not None),
         int8_activations=np.int64(int8_activations),
+        layer=np.int64(-1 if layer is None else layer),
     )
 
 
 def quantized_matmuls(
     x: jax.Array,  # f32[T, K]
     weights: Sequence[tuple[jax.Array, jax.Array, jax.Array | None]],  # values, scales, offsets
+    *,
+    layer: int | None = None,
 ) -> list[jax.Array]:
     """[x @ w for w in weights] for int4 [K, N_i] weights in the same groups along K (a multiple
     of 32), N_i multiples of 64, scales (and offsets, all or none) of one float dtype, with
     8-bit activations: `quantized_matmul(..., int8_activations=True)` of each, bit for bit, in
     one call, so x is rounded once and one parallel loop covers every weight's columns (gate
-    and up of an MLP)."""
+    and up of an MLP). `layer`: as `quantized_matmul`'s, for every weight."""
     has_offsets = weights[0][2] is not None
     if any((offsets is not None) != has_offsets for _, _, offsets in weights):
         raise ValueError("quantized_matmuls: offsets for every weight or for none")
-    out = [jax.ShapeDtypeStruct((x.shape[0], v.shape[1]), jnp.float32) for v, _, _ in weights]
+    out = [jax.ShapeDtypeStruct((x.shape[0], v.shape[-1]), jnp.float32) for v, _, _ in weights]
     call = jax.ffi.ffi_call("xlaserve_quantized_matmuls", out, vmap_method="sequential")
     dummy = jnp.zeros((1, 1), jnp.float32)
     args = [a if a is not None else dummy for w in weights for a in w]
-    return list(call(x.astype(jnp.float32), *args, has_offsets=np.int64(has_offsets)))
+    layer_attr = np.int64(-1 if layer is None else layer)
+    return list(
+        call(x.astype(jnp.float32), *args, has_offsets=np.int64(has_offsets), layer=layer_attr)
+    )
 
 
 def dense_matmul(

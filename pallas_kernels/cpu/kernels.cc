@@ -1255,15 +1255,35 @@ void Int8TableMatmul(ffi::ThreadPool& pool, const Int8Rows& xr, int64_t rows,
   });
 }
 
+// One layer's matrix of a weight: the buffer itself ([R, C], layer < 0), or the layer-th [R, C]
+// of a stack [L, R, C] of every layer's weight (one array for all layers: one argument for XLA to
+// pass instead of L). `data` is null when the buffer is neither.
+struct Matrix {
+  const void* data;
+  int64_t rows, cols;
+};
+
+Matrix LayerMatrix(const ffi::AnyBuffer& buffer, int64_t layer) {
+  const auto d = buffer.dimensions();
+  const auto* data = static_cast<const uint8_t*>(buffer.untyped_data());
+  if (layer < 0) return d.size() == 2 ? Matrix{data, d[0], d[1]} : Matrix{nullptr, 0, 0};
+  if (d.size() != 3 || layer >= d[0]) return {nullptr, 0, 0};
+  const int64_t bytes = d[1] * d[2] * static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
+  return {data + layer * bytes, d[1], d[2]};
+}
+
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::AnyBuffer values, ffi::AnyBuffer scales,
                                ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> y,
                                int64_t bits, int64_t transposed, int64_t has_offsets,
-                               int64_t int8_activations) {
+                               int64_t int8_activations, int64_t layer) {
   const int64_t rows = x.dimensions()[0], k_size = x.dimensions()[1];
   const int64_t n_size = y->dimensions()[1];
-  const auto sd = scales.dimensions();
-  const int64_t groups = transposed ? sd[1] : sd[0];
+  const Matrix qm = LayerMatrix(values, layer), sm = LayerMatrix(scales, layer);
+  const Matrix om = has_offsets ? LayerMatrix(offsets, layer) : Matrix{nullptr, 0, 0};
+  if (!qm.data || !sm.data || (has_offsets && !om.data))
+    return ffi::Error::InvalidArgument("quantized matmul: 2-D weights, or 3-D ones and a layer");
+  const int64_t groups = transposed ? sm.cols : sm.rows;
   const int64_t group = groups > 0 ? k_size / groups : 0;
   const int64_t group_multiple = !transposed ? bits / 4 : bits == 8 ? kLanes : 2 * kLanes;
   if (group <= 0 || group * groups != k_size || group % group_multiple != 0 ||
@@ -1276,11 +1296,11 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("quantized matmul: scales and offsets of one float dtype");
   }
   const float* xp = x.typed_data();
-  const auto* q = static_cast<const uint8_t*>(values.untyped_data());
+  const auto* q = static_cast<const uint8_t*>(qm.data);
   float* yp = y->typed_data();
   const auto run_with = [&](auto&& matmul) {  // with the scales' element type
-    if (scale_type == ffi::DataType::F16) matmul(static_cast<const Half*>(scales.untyped_data()));
-    else matmul(static_cast<const float*>(scales.untyped_data()));
+    if (scale_type == ffi::DataType::F16) matmul(static_cast<const Half*>(sm.data));
+    else matmul(static_cast<const float*>(sm.data));
   };
   if (int8_activations && transposed) {
     if (bits != 8 || has_offsets || group % kQBlock != 0 || k_size % 64 != 0 ||
@@ -1300,15 +1320,15 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     const Int8Rows xr(xp, rows, k_size, group, /*nibble_order=*/true);
     run_with([&](const auto* s) {
       using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
-      const S* o = has_offsets ? static_cast<const S*>(offsets.untyped_data()) : nullptr;
+      const S* o = has_offsets ? static_cast<const S*>(om.data) : nullptr;
       Int4Int8Matmul<S>(pool, xr, rows, {{q, s, o, n_size, yp}});
     });
     return ffi::Error::Success();
   }
   if (scale_type != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("quantized matmul: float16 scales need 8-bit activations");
-  const float* s = static_cast<const float*>(scales.untyped_data());
-  const float* o = has_offsets ? static_cast<const float*>(offsets.untyped_data()) : nullptr;
+  const float* s = static_cast<const float*>(sm.data);
+  const float* o = has_offsets ? static_cast<const float*>(om.data) : nullptr;
   if (!transposed) {
     ParallelFor(pool, (n_size + kTile - 1) / kTile, [&](int64_t tile) {
       if (bits == 8) KnTileAt<8>(xp, rows, k_size, q, s, o, group, n_size, tile, yp);
@@ -1343,7 +1363,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // x: values, scales and offsets (or a dummy) of each weight; one result per weight.
 ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                 ffi::RemainingArgs weights, ffi::RemainingRets ys,
-                                int64_t has_offsets) {
+                                int64_t has_offsets, int64_t layer) {
   const int64_t rows = x.dimensions()[0], k_size = x.dimensions()[1];
   const int64_t count = static_cast<int64_t>(ys.size());
   const auto invalid = [](const char* what) {
@@ -1352,45 +1372,48 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count)
     return invalid("need values, scales and offsets for each result");
   struct Parts {
-    ffi::AnyBuffer values, scales, offsets;
+    Matrix values, scales, offsets;
     float* y;
   };
   std::vector<Parts> parts;
+  ffi::DataType scale_type = ffi::DataType::INVALID;
   for (int64_t i = 0; i < count; ++i) {
     const auto values = weights.get<ffi::AnyBuffer>(3 * i);
     const auto scales = weights.get<ffi::AnyBuffer>(3 * i + 1);
     const auto offsets = weights.get<ffi::AnyBuffer>(3 * i + 2);
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
     if (!values || !scales || !offsets || !y) return invalid("arguments are not buffers");
-    parts.push_back({*values, *scales, *offsets, (*y)->typed_data()});
-    const auto vd = values->dimensions(), sd = scales->dimensions(), yd = (*y)->dimensions();
-    const ffi::DataType scale_type = parts[0].scales.element_type();
-    if (vd.size() != 2 || sd.size() != 2 || yd.size() != 2 || 2 * vd[0] != k_size ||
-        yd[0] != rows || vd[1] != yd[1] || sd[1] != yd[1] || yd[1] % kQTile != 0 ||
-        sd[0] <= 0 || k_size % sd[0] != 0 || (k_size / sd[0]) % kQBlock != 0 ||
-        sd[0] != parts[0].scales.dimensions()[0] ||
+    const Matrix v = LayerMatrix(*values, layer), s = LayerMatrix(*scales, layer);
+    const Matrix o = has_offsets ? LayerMatrix(*offsets, layer) : Matrix{nullptr, 0, 0};
+    if (!v.data || !s.data || (has_offsets && !o.data))
+      return invalid("need 2-D weights, or 3-D ones and a layer");
+    if (i == 0) scale_type = scales->element_type();
+    const auto yd = (*y)->dimensions();
+    if (yd.size() != 2 || 2 * v.rows != k_size || yd[0] != rows || v.cols != yd[1] ||
+        s.cols != yd[1] || yd[1] % kQTile != 0 || s.rows <= 0 || k_size % s.rows != 0 ||
+        (k_size / s.rows) % kQBlock != 0 || (i > 0 && s.rows != parts[0].scales.rows) ||
         values->element_type() != ffi::DataType::U8 ||
         (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16) ||
         scales->element_type() != scale_type ||
-        (has_offsets && (offsets->element_type() != scale_type ||
-                         offsets->dimensions().size() != 2 || offsets->dimensions()[0] != sd[0] ||
-                         offsets->dimensions()[1] != sd[1])))
+        (has_offsets && (offsets->element_type() != scale_type || o.rows != s.rows ||
+                         o.cols != s.cols)))
       return invalid("need int4 [K, N] weights (N of 64k) in the same groups of 32k, with "
                      "scales and offsets of one float dtype");
+    parts.push_back({v, s, o, (*y)->typed_data()});
   }
-  const int64_t group = k_size / parts[0].scales.dimensions()[0];
+  const int64_t group = k_size / parts[0].scales.rows;
   const Int8Rows xr(x.typed_data(), rows, k_size, group, /*nibble_order=*/true);
   const auto run = [&](const auto* tag) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     std::vector<Int4Product<S>> products;
     for (const Parts& w : parts)
-      products.push_back({static_cast<const uint8_t*>(w.values.untyped_data()),
-                          static_cast<const S*>(w.scales.untyped_data()),
-                          has_offsets ? static_cast<const S*>(w.offsets.untyped_data()) : nullptr,
-                          w.values.dimensions()[1], w.y});
+      products.push_back({static_cast<const uint8_t*>(w.values.data),
+                          static_cast<const S*>(w.scales.data),
+                          has_offsets ? static_cast<const S*>(w.offsets.data) : nullptr,
+                          w.values.cols, w.y});
     Int4Int8Matmul(pool, xr, rows, products);
   };
-  if (parts[0].scales.element_type() == ffi::DataType::F16) run(static_cast<const Half*>(nullptr));
+  if (scale_type == ffi::DataType::F16) run(static_cast<const Half*>(nullptr));
   else run(static_cast<const float*>(nullptr));
   return ffi::Error::Success();
 }
@@ -1521,7 +1544,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQuantizedMatmul, QuantizedMatmulImpl,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("transposed")
                                   .Attr<int64_t>("has_offsets")
-                                  .Attr<int64_t>("int8_activations"));
+                                  .Attr<int64_t>("int8_activations")
+                                  .Attr<int64_t>("layer"));  // -1: 2-D weights
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQuantizedMatmuls, QuantizedMatmulsImpl,
                               ffi::Ffi::Bind()
@@ -1529,7 +1553,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQuantizedMatmuls, QuantizedMatmulsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
                                   .RemainingArgs()  // values u8, scales, offsets per weight
                                   .RemainingRets()  // y [T, N_i] f32 per weight
-                                  .Attr<int64_t>("has_offsets"));
+                                  .Attr<int64_t>("has_offsets")
+                                  .Attr<int64_t>("layer"));  // -1: 2-D weights
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDenseMatmul, DenseMatmulImpl,
                               ffi::Ffi::Bind()

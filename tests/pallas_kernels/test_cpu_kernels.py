@@ -340,6 +340,73 @@ def test_several_weights_in_one_call_refuse_what_they_do_not_share() -> None:
         )
 
 
+def poisoned_stack(ws: list[QuantizedWeight], layer: int) -> QuantizedWeight:
+    """The weights stacked [L, ...] as `layers.layer_params` sees them, with NaN scales in
+    every layer but `layer`: a kernel that read outside that layer's slice would show it."""
+    nan = lambda w: dataclasses.replace(w, scales=jnp.full_like(w.scales, jnp.nan))
+    layers = [w if i == layer else nan(w) for i, w in enumerate(ws)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+@pytest.mark.parametrize(
+    ("bits", "shape", "group", "transposed", "int8_activations"),
+    [
+        (8, (1536, 576), 32, False, False),
+        (4, (576, 192), 32, False, False),
+        (4, (576, 192), 32, False, True),
+        (8, (1000, 576), 576, True, False),
+        (8, (1000, 576), 32, True, True),
+        (4, (1000, 576), 32, True, False),
+    ],
+)
+def test_a_layer_of_a_stack_is_read_in_place(
+    bits: int, shape: tuple[int, int], group: int, transposed: bool, int8_activations: bool
+) -> None:
+    # A product with layer i of stacks [L, ...] equals, bit for bit, the product with that
+    # layer's own arrays, and reads nothing of the other layers.
+    rng = np.random.default_rng(zlib.crc32(repr((bits, shape, group, transposed)).encode()))
+    ws = [random_weight(rng, shape, bits, group, axis=1 if transposed else 0) for _ in range(3)]
+    x = rng.standard_normal((3, shape[1] if transposed else shape[0])).astype(np.float32)
+    kw = dict(bits=bits, transposed=transposed, int8_activations=int8_activations)
+    for i, w in enumerate(ws):
+        own = cpu.quantized_matmul(x, w.values, w.scales, w.offsets, **kw)
+        stack = poisoned_stack(ws, i)
+        product = functools.partial(cpu.quantized_matmul, **kw, layer=i)
+        got = jax.jit(lambda x, s, product=product: product(x, s.values, s.scales, s.offsets))(
+            x, stack
+        )
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(own))
+
+
+def test_several_weights_of_a_stack_are_read_in_place() -> None:
+    rng = np.random.default_rng(11)
+    gates = [int4_weight(rng, (576, 1536), 32, jnp.float16, offsets=True) for _ in range(3)]
+    ups = [int4_weight(rng, (576, 1536), 32, jnp.float16, offsets=True) for _ in range(3)]
+    x = rng.standard_normal((2, 576)).astype(np.float32)
+    parts = lambda *ws: [(w.values, w.scales, w.offsets) for w in ws]
+    for i in range(3):
+        own = cpu.quantized_matmuls(x, parts(gates[i], ups[i]))
+        stacks = parts(poisoned_stack(gates, i), poisoned_stack(ups, i))
+        got = cpu.quantized_matmuls(x, stacks, layer=i)
+        for y, want in zip(got, own, strict=True):
+            assert np.isfinite(np.asarray(y)).all()
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
+def test_a_stack_without_its_layer_is_refused() -> None:
+    rng = np.random.default_rng(12)
+    w = poisoned_stack([int4_weight(rng, (576, 128), 32, jnp.float32, True)] * 2, 0)
+    x = jnp.ones((1, 576), jnp.float32)
+    for layer in (None, 2):  # a stack read as one weight; a layer it does not have
+        with pytest.raises(jax.errors.JaxRuntimeError, match="2-D weights, or 3-D ones and a"):
+            jax.block_until_ready(
+                cpu.quantized_matmul(
+                    x, w.values, w.scales, w.offsets, bits=4, transposed=False, layer=layer
+                )
+            )
+
+
 def test_gate_and_up_take_one_call_as_the_model_makes_it() -> None:
     # layers.gated_mlp's gate and up, marked for int8 activations: one kernel call in the
     # compiled step, the same values as one `dense` each; an unmarked pair takes one call each.
