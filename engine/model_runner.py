@@ -25,10 +25,12 @@ from engine.errors import XlaserveError
 from engine.lora_slots import LoRASlots
 from engine.models.layers import Params, stack_layers
 from engine.models.lora import LoRAInputs
+from engine.models.quant import QUANTIZED_AXIS, QuantizedWeight
 from engine.request import MAX_LOGPROBS
 from engine.sampling import bitmask_words
 from engine.scheduler import SchedulerOutput
 from engine.step import StepInput, StepOptions, StepOutput, TokenCarry, attention_metadata
+from pallas_kernels import cpu
 from pallas_kernels.kv_cache_update import KVCacheSpec, init_kv_pages
 from sharding.layout import ShardingLayout
 from sharding.multihost import put_replicated
@@ -42,6 +44,20 @@ FillBitmask = Callable[[np.ndarray], None]
 
 def _platform() -> str:
     return jax.devices()[0].platform
+
+
+def _stacks_layers(cfg: ModelConfig, params: Params) -> bool:
+    """Whether one device's layers are stacked on a leading axis and still run unrolled
+    (`layers.run_layers`): on CPU, where every linear weight of a layer is quantized and the C++
+    kernels read each layer's weight from its stack in place. A step then passes XLA one array
+    per kind of weight, not one per layer (SmolLM2 int4: 733 arrays -> 66), and jit's dispatch
+    of every array costs the host ~2 us (bench/RESULTS.md). Float weights stay per layer (XLA's
+    products would copy a slice out of a stack), as do experts (gathered, not read in place)."""
+    layers = params["layers"]
+    if not isinstance(layers, list) or cfg.num_experts or _platform() != "cpu":
+        return False
+    linear = [w for name, w in layers[0].items() if name in QUANTIZED_AXIS]
+    return bool(linear) and all(isinstance(w, QuantizedWeight) for w in linear) and cpu.available()
 
 
 CPU_DEFAULT_KV_BYTES = 2 << 30  # like vLLM's CPU backend: a fixed space, not a RAM fraction
@@ -179,23 +195,22 @@ class ModelRunner:
         )
 
     def _place_params(self, params: Params) -> Params:
-        """Sharded by the plan (layers stacked for a pipeline); as given without a mesh."""
+        """Sharded by the plan (layers stacked for a pipeline). Without a mesh as given, but
+        with quantized layers stacked where the CPU kernels take them (`_stacks_layers`)."""
         if self.plan is None:
+            if _stacks_layers(self.cfg, params):
+                params = {**params, "layers": stack_layers(params["layers"])}
             return params
         if self.plan.num_stages > 1 and isinstance(params["layers"], list):
             params = {**params, "layers": stack_layers(params["layers"])}
         return jax.device_put(params, self.plan.param_shardings(params))
 
     def _init_caches(self) -> Any:
-        """One cache array per layer, laid out like the layer params (a list, or stacked);
-        with a mesh, allocated already sharded."""
+        """One cache array per layer: a list (unrolled layers, `layers.run_layers`), or stacked
+        for a pipeline's scan; with a mesh, allocated already sharded."""
         if self.plan is not None:
             return self._init_sharded_caches(self.plan)
-        if isinstance(self.params["layers"], list):
-            return [init_kv_pages(self.kv_spec) for _ in range(self.cfg.num_layers)]
-        return jax.tree.map(
-            lambda x: x[None].repeat(self.cfg.num_layers, axis=0), init_kv_pages(self.kv_spec)
-        )
+        return [init_kv_pages(self.kv_spec) for _ in range(self.cfg.num_layers)]
 
     def _init_sharded_caches(self, plan: ShardingPlan) -> Any:
         stacked = not isinstance(self.params["layers"], list)

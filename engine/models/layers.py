@@ -113,7 +113,7 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
 def dense_all(x: jax.Array, ws: Sequence[Weight]) -> list[jax.Array]:
     """[dense(x, w) for w in ws]: x against several weights (gate and up), quantized ones the
     kernel takes alike in one call (`quant.products`)."""
-    quantized = [w for w in ws if isinstance(w, QuantizedWeight) and w.values.ndim == 2]
+    quantized = [w for w in ws if isinstance(w, QuantizedWeight) and len(w.shape) == 2]
     if len(quantized) == len(ws):
         return [y.astype(x.dtype) for y in quant.products(x, quantized)]
     return [dense(x, w) for w in ws]
@@ -211,12 +211,17 @@ def run_layers(
 ) -> tuple[jax.Array, Any]:
     """Applies `layer_fn(x, params, cache)` over the layers: unrolled for a list of per-layer
     params, a `lax.scan` for params stacked on a leading layer axis (one compile for any depth).
+    Stacked params with a list of per-layer caches are unrolled too, each layer's params taken
+    by `layer_params` (the CPU's layout for quantized weights: a step passes XLA a few stacks,
+    not every layer's arrays, and each layer's kernel reads its own in place).
 
     `variants`, one static value per layer (Gemma 3: local or global), is passed to `layer_fn`
     as `variant=`; the scan picks each layer's variant with `lax.switch`.
     Which is faster is platform-dependent (see shared/BASELINES.md); the model is the same.
     """
-    if isinstance(layers, list):
+    if isinstance(layers, list) or isinstance(caches, list):
+        if not isinstance(layers, list):
+            layers = [layer_params(layers, i) for i in range(len(caches))]
         caches = [None] * len(layers) if caches is None else caches
         kinds = [None] * len(layers) if variants is None else list(variants)
         new_caches = []
@@ -248,3 +253,12 @@ def run_layers(
 def stack_layers(layers: list[Params]) -> Params:
     """Per-layer params -> one pytree with a leading layer axis (for `lax.scan`)."""
     return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def layer_params(layers: Params, i: int) -> Params:
+    """Layer i of params stacked on a leading layer axis, inside a jitted unrolled loop: its
+    quantized weights as views of the stacks (`quant.layer_view`), other arrays sliced (norms
+    and biases: small, and XLA fuses the slice into their use)."""
+    is_weight = lambda x: isinstance(x, QuantizedWeight)
+    take = lambda x: quant.layer_view(x, i) if is_weight(x) else x[i]
+    return jax.tree.map(take, layers, is_leaf=is_weight)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from engine.config import ModelConfig
 from engine.models import layers
 from engine.models.layers import Params
-from engine.models.quant import QuantizedWeight, dequantize
+from engine.models.quant import QuantizedWeight, dequantize, sliced
 
 
 class ExpertsFn(Protocol):
@@ -231,7 +231,7 @@ def _gathered_swiglu(
 def _take(w: jax.Array | QuantizedWeight, experts: jax.Array) -> Any:
     """The weights of `experts` i32[M] ([M, ...]): of a quantized weight, its integers and
     scales (the expert axis is not its grouped axis)."""
-    return jax.tree.map(lambda a: a[experts], w)
+    return jax.tree.map(lambda a: a[experts], sliced(w) if isinstance(w, QuantizedWeight) else w)
 
 
 def _float(w: jax.Array | QuantizedWeight) -> jax.Array:

@@ -62,6 +62,10 @@ class QuantizedWeight:
     dtype: str = field(metadata=dict(static=True))  # what `dequantize` returns
     # The CPU kernel may round activations to int8 (see `product`); a choice, not the weight's.
     int8_activations: bool = field(default=False, metadata=dict(static=True))
+    # None: the arrays are this weight's. An int: they stack every layer's weight on a leading
+    # axis and this weight is the layer-th (`layer_view`), which the CPU kernel reads in place;
+    # `sliced` gives its own arrays. The properties below describe the one layer's weight.
+    layer: int | None = field(default=None, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -70,18 +74,39 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         """The float weight's shape."""
-        shape = list(self.values.shape)
+        shape = list(self._own_shape(self.values))
         shape[self.axis] *= 8 // self.bits
         return tuple(shape)
 
     @property
     def group_size(self) -> int:
-        return self.shape[self.axis] // self.scales.shape[self.axis]
+        return self.shape[self.axis] // self._own_shape(self.scales)[self.axis]
 
     @property
     def nbytes(self) -> int:
         parts = (self.values, self.scales, self.offsets)
-        return sum(int(x.size) * x.dtype.itemsize for x in parts if x is not None)
+        stacked = sum(int(x.size) * x.dtype.itemsize for x in parts if x is not None)
+        return stacked if self.layer is None else stacked // self.values.shape[0]
+
+    def _own_shape(self, x: Any) -> tuple[int, ...]:
+        return tuple(x.shape) if self.layer is None else tuple(x.shape[1:])
+
+
+def layer_view(w: QuantizedWeight, layer: int) -> QuantizedWeight:
+    """The layer-th weight of `w`, whose arrays stack every layer's weight [L, ...] (see
+    `QuantizedWeight.layer`): the same arrays, not a slice of them."""
+    return dataclasses.replace(w, layer=layer)
+
+
+def sliced(w: QuantizedWeight) -> QuantizedWeight:
+    """`w` with arrays of its own: a layer view's slices of the stacks (XLA copies them where it
+    does not fuse the slice into their use, as dequantizing does)."""
+    if w.layer is None:
+        return w
+    own = lambda x: None if x is None else x[w.layer]
+    return dataclasses.replace(
+        w, values=own(w.values), scales=own(w.scales), offsets=own(w.offsets), layer=None
+    )
 
 
 def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
@@ -94,6 +119,7 @@ def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
     """The float weight, in `w.dtype` (computed in float32)."""
+    w = sliced(w)
     q = unpack_int4(w.values, w.axis) if w.bits == 4 else w.values
     axis, groups = w.axis, w.scales.shape[w.axis]
     grouped = (*q.shape[:axis], groups, q.shape[axis] // groups, *q.shape[axis + 1 :])
@@ -106,18 +132,21 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
 def as_matrix(w: QuantizedWeight) -> QuantizedWeight:
     """A linear weight as [In, Out] (contraction first): [D, N, H] -> [D, N*H] for q/k/v,
     [N, H, D] -> [N*H, D] for the output projection (groups lie within a head, so a group of
-    the merged axis is still one of H's); a 2-D weight as it is."""
-    if w.values.ndim == 2:
+    the merged axis is still one of H's); a 2-D weight as it is. A layer view's stacks keep
+    their leading layer axis."""
+    ndim = len(w.shape)
+    if ndim == 2:
         return w
+    lead = w.values.shape[:1] if w.layer is not None else ()  # the stack's layer axis
     if w.axis == 0:
-        merge = lambda x: x.reshape(x.shape[0], -1)
-    elif w.axis == w.values.ndim - 2:
-        merge = lambda x: x.reshape(-1, x.shape[-1])
+        merge = lambda x: x.reshape(*lead, x.shape[len(lead)], -1)
+    elif w.axis == ndim - 2:
+        merge = lambda x: x.reshape(*lead, -1, x.shape[-1])
     else:
         raise ValueError(f"cannot flatten a weight of shape {w.shape} grouped along {w.axis}")
     parts = (w.values, w.scales, w.offsets)
     values, scales, offsets = (None if x is None else merge(x) for x in parts)
-    return QuantizedWeight(values, scales, offsets, w.bits, 0, w.dtype, w.int8_activations)
+    return dataclasses.replace(w, values=values, scales=scales, offsets=offsets, axis=0)
 
 
 # The CPU kernel reads the integers in place (one or two rows of x stream the weights; more rows
@@ -154,6 +183,7 @@ def product(x: jax.Array, w: QuantizedWeight, *, transposed: bool) -> jax.Array:
             bits=w.bits,
             transposed=transposed,
             int8_activations=_int8_activations(w, transposed),
+            layer=w.layer,
         )
 
     return jax.lax.platform_dependent(x, cpu=kernel, default=dequantized)
@@ -171,6 +201,7 @@ def products(x: jax.Array, ws: Sequence[QuantizedWeight]) -> list[jax.Array]:
             _kernel_takes(w, transposed=False)
             and _int8_activations(w, transposed=False)
             and w.group_size == first.group_size
+            and w.layer == first.layer
             and w.scales.dtype == first.scales.dtype
             and (w.offsets is None) == (first.offsets is None)
         )
@@ -182,14 +213,15 @@ def products(x: jax.Array, ws: Sequence[QuantizedWeight]) -> list[jax.Array]:
         return one_each(x)
 
     def kernel(x: jax.Array) -> list[jax.Array]:
-        return cpu.quantized_matmuls(x, [(w.values, w.scales, w.offsets) for w in ws])
+        parts = [(w.values, w.scales, w.offsets) for w in ws]
+        return cpu.quantized_matmuls(x, parts, layer=first.layer)
 
     return jax.lax.platform_dependent(x, cpu=kernel, default=one_each)
 
 
 def _kernel_takes(w: QuantizedWeight, transposed: bool) -> bool:
     """The shapes `pallas_kernels.cpu.quantized_matmul` supports (and the library is built)."""
-    if w.values.ndim != 2 or w.axis != (1 if transposed else 0):
+    if len(w.shape) != 2 or w.axis != (1 if transposed else 0):
         return False
     group, out = w.group_size, w.shape[0 if transposed else 1]
     if transposed:
@@ -218,7 +250,7 @@ def take_rows(w: jax.Array | QuantizedWeight, ids: jax.Array) -> jax.Array:
         return w[ids]
     if w.axis == 0:
         raise ValueError("take_rows needs groups along the row (axis 1), not across rows")
-    return dequantize(jax.tree.map(lambda x: x[ids], w))
+    return dequantize(jax.tree.map(lambda x: x[ids], sliced(w)))
 
 
 # The key and value projections keep float activations: what they write to the cache is read
