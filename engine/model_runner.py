@@ -52,7 +52,8 @@ def _stacks_layers(cfg: ModelConfig, params: Params) -> bool:
     kernels read each layer's weight from its stack in place. A step then passes XLA one array
     per kind of weight, not one per layer (SmolLM2 int4: 733 arrays -> 66), and jit's dispatch
     of every array costs the host ~2 us (bench/RESULTS.md). Float weights stay per layer (XLA's
-    products would copy a slice out of a stack), as do experts (gathered, not read in place)."""
+    products would copy a slice out of a stack), as does a mixture of experts (its experts are
+    gathered, not read in place)."""
     layers = params["layers"]
     if not isinstance(layers, list) or cfg.num_experts or _platform() != "cpu":
         return False
