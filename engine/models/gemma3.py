@@ -59,9 +59,8 @@ def forward(
         inv_freq = local_freq if variant else global_freq
         with jax.named_scope("attention"):
             h = norm(x, p["attn_norm"])
-            q = norm(layers.project_to_heads(h, p["wq"]), p["q_norm"])  # f[T, N, H]
-            k = norm(layers.project_to_heads(h, p["wk"]), p["k_norm"])  # f[T, K, H]
-            v = layers.project_to_heads(h, p["wv"])
+            q, k, v = layers.project_all_to_heads(h, (p["wq"], p["wk"], p["wv"]))
+            q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])  # f[T, N, H], f[T, K, H]
             q = layers.apply_rope(q, positions, inv_freq)
             k = layers.apply_rope(k, positions, inv_freq)
             out, cache = attention(q, k, v, cache, sliding_window=window)

@@ -162,6 +162,16 @@ def project_to_heads(x: jax.Array, w: Weight) -> jax.Array:
     return dense(x, w.reshape(d, n * h)).reshape(x.shape[0], n, h)
 
 
+def project_all_to_heads(x: jax.Array, ws: Sequence[Weight]) -> list[jax.Array]:
+    """[project_to_heads(x, w) for w in ws] (q, k and v), the same values, quantized weights
+    the kernel takes alike in one call (`dense_all`)."""
+    quantized = [w for w in ws if isinstance(w, QuantizedWeight)]
+    if len(quantized) < len(ws):
+        return [project_to_heads(x, w) for w in ws]
+    outs = dense_all(x, [quant.as_matrix(w) for w in quantized])
+    return [y.reshape(x.shape[0], *w.shape[1:]) for y, w in zip(outs, quantized, strict=True)]
+
+
 def project_from_heads(x: jax.Array, w: Weight) -> jax.Array:
     """f[T, N, H] @ f[N, H, D] -> f[T, D], as one 2-D matmul (see `project_to_heads`)."""
     n, h, d = w.shape

@@ -105,9 +105,7 @@ def _decoder(
     def layer(x: jax.Array, p: Params, cache: Any) -> tuple[jax.Array, Any]:
         with jax.named_scope("attention"):
             h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q = lora.project_to_heads(h, p, "wq")
-            k = lora.project_to_heads(h, p, "wk")
-            v = lora.project_to_heads(h, p, "wv")
+            q, k, v = lora.project_all_to_heads(h, p, ("wq", "wk", "wv"))
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q, k, v = _normed_clipped_qkv(q, k, v, p, cfg)

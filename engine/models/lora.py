@@ -19,7 +19,7 @@ Shapes: T tokens, G slots, R rank, In / Out the projection's flattened input / o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,12 +79,13 @@ def _adapted(p: Params, target: str) -> bool:
     return a_name(target) in p
 
 
-def project_to_heads(x: jax.Array, p: Params, target: str) -> jax.Array:
-    """`layers.project_to_heads` with the adapters' products: f[T, D] -> f[T, N, H]."""
-    out = layers.project_to_heads(x, p[target])
-    if not _adapted(p, target):
-        return out
-    return out + delta(x, p, target).reshape(out.shape)
+def project_all_to_heads(x: jax.Array, p: Params, targets: Sequence[str]) -> list[jax.Array]:
+    """`layers.project_all_to_heads` with the adapters' products (q, k and v)."""
+    outs = layers.project_all_to_heads(x, [p[target] for target in targets])
+    return [
+        out + delta(x, p, target).reshape(out.shape) if _adapted(p, target) else out
+        for out, target in zip(outs, targets, strict=True)
+    ]
 
 
 def project_from_heads(x: jax.Array, p: Params, target: str) -> jax.Array:

@@ -191,30 +191,35 @@ def product(x: jax.Array, w: QuantizedWeight, *, transposed: bool) -> jax.Array:
 
 def products(x: jax.Array, ws: Sequence[QuantizedWeight]) -> list[jax.Array]:
     """[product(x, w, transposed=False) for w in ws], the same bit for bit, in one kernel call
-    where the 8-bit-activation path takes every weight alike (gate and up: same groups and
-    scale dtype, offsets on all or none), which saves a call's dispatch and its wake-up of the
-    kernels' thread pool (0.2-0.5 ms a token for SmolLM2's 30 layers, bench/RESULTS.md)."""
+    where the kernel takes every weight (int4 in the same groups of 32k, offsets on all or
+    none, those with 8-bit activations with scales of one dtype): q, k and v (k and v keep float
+    activations), gate and up. That saves calls' dispatch and their wake-ups of the kernels'
+    thread pool: 0.2-0.5 ms a token for gate and up in SmolLM2's 30 layers, 0.4-0.5 more for
+    q, k and v (bench/RESULTS.md)."""
     first = ws[0]
+    int8 = [_int8_activations(w, transposed=False) for w in ws]
+    int8_scales = {w.scales.dtype for w, flag in zip(ws, int8, strict=True) if flag}
 
     def alike(w: QuantizedWeight) -> bool:
         return (
             _kernel_takes(w, transposed=False)
-            and _int8_activations(w, transposed=False)
+            and w.bits == 4
+            and w.group_size % 32 == 0
             and w.group_size == first.group_size
             and w.layer == first.layer
-            and w.scales.dtype == first.scales.dtype
             and (w.offsets is None) == (first.offsets is None)
         )
 
     def one_each(x: jax.Array) -> list[jax.Array]:
         return [product(x, w, transposed=False) for w in ws]
 
-    if len(ws) < 2 or x.shape[0] > KERNEL_MAX_ROWS or not all(alike(w) for w in ws):
+    fits = len(int8_scales) <= 1 and all(alike(w) for w in ws)
+    if len(ws) < 2 or x.shape[0] > KERNEL_MAX_ROWS or not fits:
         return one_each(x)
 
     def kernel(x: jax.Array) -> list[jax.Array]:
         parts = [(w.values, w.scales, w.offsets) for w in ws]
-        return cpu.quantized_matmuls(x, parts, layer=first.layer)
+        return cpu.quantized_matmuls(x, parts, int8_activations=int8, layer=first.layer)
 
     return jax.lax.platform_dependent(x, cpu=kernel, default=one_each)
 

@@ -185,23 +185,34 @@ def quantized_matmuls(
     x: jax.Array,  # f32[T, K]
     weights: Sequence[tuple[jax.Array, jax.Array, jax.Array | None]],  # values, scales, offsets
     *,
+    int8_activations: Sequence[bool] | None = None,
     layer: int | None = None,
 ) -> list[jax.Array]:
     """[x @ w for w in weights] for int4 [K, N_i] weights in the same groups along K (a multiple
-    of 32), N_i multiples of 64, scales (and offsets, all or none) of one float dtype, with
-    8-bit activations: `quantized_matmul(..., int8_activations=True)` of each, bit for bit, in
-    one call, so x is rounded once and one parallel loop covers every weight's columns (gate
-    and up of an MLP). `layer`: as `quantized_matmul`'s, for every weight."""
+    of 32), N_i multiples of 64, offsets for all or none: `quantized_matmul(..., bits=4,
+    transposed=False, int8_activations=a)` of each, bit for bit, in one call, so that one
+    parallel loop covers every weight's columns and x is rounded once for the weights with
+    8-bit activations (q, k and v; gate and up). `int8_activations`: one flag per weight (None:
+    every weight); the weights with 8-bit activations have scales and offsets of one float
+    dtype, the others float32 ones. `layer`: as `quantized_matmul`'s, for every weight."""
     has_offsets = weights[0][2] is not None
     if any((offsets is not None) != has_offsets for _, _, offsets in weights):
         raise ValueError("quantized_matmuls: offsets for every weight or for none")
+    flags = [True] * len(weights) if int8_activations is None else list(int8_activations)
+    if len(flags) != len(weights):
+        raise ValueError("quantized_matmuls: one int8_activations flag per weight")
     out = [jax.ShapeDtypeStruct((x.shape[0], v.shape[-1]), jnp.float32) for v, _, _ in weights]
     call = jax.ffi.ffi_call("xlaserve_quantized_matmuls", out, vmap_method="sequential")
     dummy = jnp.zeros((1, 1), jnp.float32)
     args = [a if a is not None else dummy for w in weights for a in w]
-    layer_attr = np.int64(-1 if layer is None else layer)
     return list(
-        call(x.astype(jnp.float32), *args, has_offsets=np.int64(has_offsets), layer=layer_attr)
+        call(
+            x.astype(jnp.float32),
+            *args,
+            has_offsets=np.int64(has_offsets),
+            int8_activations=np.int64(sum(1 << i for i, flag in enumerate(flags) if flag)),
+            layer=np.int64(-1 if layer is None else layer),
+        )
     )
 
 

@@ -1053,11 +1053,13 @@ struct Int4Product {
 
 // The products of the same rows of x with one or more weights (gate and up) in one parallel
 // loop: their column ranges (or tiles) are work items of one ParallelFor, so the pool's helper
-// is woken once and the rows are rounded once. A product's result is the same alone or with
-// others, bit for bit.
-template <typename S>
+// is woken once and the rows are rounded once. `extra` more items, `more(i)` for i in
+// [0, extra), join the loop (the float-activation products of a call that has both: q, k and
+// v). A product's result is the same alone or with others, bit for bit.
+template <typename S, typename More = void (*)(int64_t)>
 void Int4Int8Matmul(ffi::ThreadPool& pool, const Int8Rows& xr, int64_t rows,
-                    const std::vector<Int4Product<S>>& products) {
+                    const std::vector<Int4Product<S>>& products, int64_t extra = 0,
+                    const More& more = nullptr) {
   const int64_t stripes = (xr.blocks + kQStripe - 1) / kQStripe;
   const int64_t unit = rows <= kQFewRows ? kQWidth : kQTile;
   struct Columns {
@@ -1073,7 +1075,8 @@ void Int4Int8Matmul(ffi::ThreadPool& pool, const Int8Rows& xr, int64_t rows,
   const int64_t ranges = static_cast<int64_t>(columns.size());
   if (rows <= kQFewRows) {
     std::unique_ptr<float[]> partial(new float[stripes * rows * n_total]);
-    ParallelFor(pool, stripes * ranges, [&](int64_t item) {
+    ParallelFor(pool, stripes * ranges + extra, [&](int64_t item) {
+      if (item >= stripes * ranges) return more(item - stripes * ranges);
       const int64_t s = item / ranges;
       const Columns& c = columns[item % ranges];
       const Int4Product<S>& w = *c.product;
@@ -1095,7 +1098,8 @@ void Int4Int8Matmul(ffi::ThreadPool& pool, const Int8Rows& xr, int64_t rows,
     }
     return;
   }
-  ParallelFor(pool, ranges, [&](int64_t item) {
+  ParallelFor(pool, ranges + extra, [&](int64_t item) {
+    if (item >= ranges) return more(item - ranges);
     const Int4Product<S>& w = *columns[item].product;
     const int64_t c0 = columns[item].c0, n_size = w.n_size;
     float* y = w.y;
@@ -1365,25 +1369,28 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-// The same rows of x against several int4 [K, N_i] weights with 8-bit activations (gate and
-// up): x is rounded once and every product's columns are items of one parallel loop. Args after
-// x: values, scales and offsets (or a dummy) of each weight; one result per weight.
+// The same rows of x against several int4 [K, N_i] weights in the same groups (q, k and v; gate
+// and up) in one parallel loop. Bit i of `int8_activations` marks weight i for 8-bit activations
+// (x rounded once for all of them, their scales of one float dtype); the others take x as it is,
+// with float32 scales, tile by tile as `quantized_matmul` does. Args after x: values, scales and
+// offsets (or a dummy) of each weight; one result per weight.
 ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                 ffi::RemainingArgs weights, ffi::RemainingRets ys,
-                                int64_t has_offsets, int64_t layer) {
+                                int64_t has_offsets, int64_t int8_activations, int64_t layer) {
   const int64_t rows = x.dimensions()[0], k_size = x.dimensions()[1];
   const int64_t count = static_cast<int64_t>(ys.size());
   const auto invalid = [](const char* what) {
     return ffi::Error::InvalidArgument(std::string("quantized matmuls: ") + what);
   };
-  if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count)
+  if (count == 0 || count > 62 || static_cast<int64_t>(weights.size()) != 3 * count)
     return invalid("need values, scales and offsets for each result");
   struct Parts {
     Matrix values, scales, offsets;
     float* y;
+    bool int8;
   };
   std::vector<Parts> parts;
-  ffi::DataType scale_type = ffi::DataType::INVALID;
+  ffi::DataType int8_scales = ffi::DataType::INVALID;  // the 8-bit-activation weights' dtype
   for (int64_t i = 0; i < count; ++i) {
     const auto values = weights.get<ffi::AnyBuffer>(3 * i);
     const auto scales = weights.get<ffi::AnyBuffer>(3 * i + 1);
@@ -1394,33 +1401,53 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     const Matrix o = has_offsets ? LayerMatrix(*offsets, layer) : Matrix{nullptr, 0, 0};
     if (!v.data || !s.data || (has_offsets && !o.data))
       return invalid("need 2-D weights, or 3-D ones and a layer");
-    if (i == 0) scale_type = scales->element_type();
+    const bool int8 = (int8_activations >> i) & 1;
+    const ffi::DataType scale_type = scales->element_type();
+    if (int8 && int8_scales == ffi::DataType::INVALID) int8_scales = scale_type;
     const auto yd = (*y)->dimensions();
     if (yd.size() != 2 || 2 * v.rows != k_size || yd[0] != rows || v.cols != yd[1] ||
         s.cols != yd[1] || yd[1] % kQTile != 0 || s.rows <= 0 || k_size % s.rows != 0 ||
         (k_size / s.rows) % kQBlock != 0 || (i > 0 && s.rows != parts[0].scales.rows) ||
         values->element_type() != ffi::DataType::U8 ||
-        (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16) ||
-        scales->element_type() != scale_type ||
+        (int8 ? (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16) ||
+                    scale_type != int8_scales
+              : scale_type != ffi::DataType::F32) ||
         (has_offsets && (offsets->element_type() != scale_type || o.rows != s.rows ||
                          o.cols != s.cols)))
       return invalid("need int4 [K, N] weights (N of 64k) in the same groups of 32k, with "
-                     "scales and offsets of one float dtype");
-    parts.push_back({v, s, o, (*y)->typed_data()});
+                     "scales and offsets of one float dtype (float32 without 8-bit "
+                     "activations)");
+    parts.push_back({v, s, o, (*y)->typed_data(), int8});
   }
   const int64_t group = k_size / parts[0].scales.rows;
+  // The float-activation weights' work items: their column tiles.
+  struct Tile {
+    const Parts* w;
+    int64_t tile;
+  };
+  std::vector<Tile> tiles;
+  for (const Parts& w : parts)
+    for (int64_t t = 0; !w.int8 && t * kTile < w.values.cols; ++t) tiles.push_back({&w, t});
+  const auto float_tile = [&](int64_t i) {
+    const Parts& w = *tiles[i].w;
+    KnTileAt<4>(x.typed_data(), rows, k_size, static_cast<const uint8_t*>(w.values.data),
+                static_cast<const float*>(w.scales.data),
+                has_offsets ? static_cast<const float*>(w.offsets.data) : nullptr, group,
+                w.values.cols, tiles[i].tile, w.y);
+  };
   const Int8Rows xr(x.typed_data(), rows, k_size, group, /*nibble_order=*/true);
   const auto run = [&](const auto* tag) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     std::vector<Int4Product<S>> products;
     for (const Parts& w : parts)
-      products.push_back({static_cast<const uint8_t*>(w.values.data),
-                          static_cast<const S*>(w.scales.data),
-                          has_offsets ? static_cast<const S*>(w.offsets.data) : nullptr,
-                          w.values.cols, w.y});
-    Int4Int8Matmul(pool, xr, rows, products);
+      if (w.int8)
+        products.push_back({static_cast<const uint8_t*>(w.values.data),
+                            static_cast<const S*>(w.scales.data),
+                            has_offsets ? static_cast<const S*>(w.offsets.data) : nullptr,
+                            w.values.cols, w.y});
+    Int4Int8Matmul(pool, xr, rows, products, static_cast<int64_t>(tiles.size()), float_tile);
   };
-  if (scale_type == ffi::DataType::F16) run(static_cast<const Half*>(nullptr));
+  if (int8_scales == ffi::DataType::F16) run(static_cast<const Half*>(nullptr));
   else run(static_cast<const float*>(nullptr));
   return ffi::Error::Success();
 }
@@ -1561,6 +1588,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQuantizedMatmuls, QuantizedMatmulsImpl,
                                   .RemainingArgs()  // values u8, scales, offsets per weight
                                   .RemainingRets()  // y [T, N_i] f32 per weight
                                   .Attr<int64_t>("has_offsets")
+                                  .Attr<int64_t>("int8_activations")  // a bit per weight
                                   .Attr<int64_t>("layer"));  // -1: 2-D weights
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDenseMatmul, DenseMatmulImpl,

@@ -325,6 +325,35 @@ def test_several_weights_in_one_call_match_numpy_and_one_call_each(
         np.testing.assert_array_equal(np.asarray(y), np.asarray(alone))
 
 
+@pytest.mark.parametrize("flags", [(True, False, False), (False, True), (False, False, False)])
+@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+def test_one_call_mixes_8_bit_and_float_activations(flags: tuple[bool, ...], rows: int) -> None:
+    # q (8-bit activations, float16 scales) with k and v (float activations, float32 scales) in
+    # one call: each product as numpy gives it (x rounded or not) and bit for bit as the kernel
+    # gives it alone, in the few-row and many-row paths.
+    rng = np.random.default_rng(zlib.crc32(repr((flags, rows)).encode()))
+    widths = (576, 192, 192)[: len(flags)]
+    ws = [
+        int4_weight(rng, (576, n), 32, jnp.float16 if flag else jnp.float32, offsets=True)
+        for n, flag in zip(widths, flags, strict=True)
+    ]
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    parts = [(w.values, w.scales, w.offsets) for w in ws]
+    got = jax.jit(lambda x: cpu.quantized_matmuls(x, parts, int8_activations=flags))(x)
+    for w, flag, y in zip(ws, flags, got, strict=True):
+        table = np.asarray(dequantize(w), np.float64)
+        if flag:  # the rounded rows meet q * scale, the exact ones the offsets
+            offsets = np.repeat(np.asarray(w.offsets, np.float64), 32, axis=0)
+            want = round_activations(x) @ (table - offsets) + x.astype(np.float64) @ offsets
+        else:
+            want = x.astype(np.float64) @ table
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        alone = cpu.quantized_matmul(
+            x, w.values, w.scales, w.offsets, bits=4, transposed=False, int8_activations=flag
+        )
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(alone))
+
+
 def test_several_weights_in_one_call_refuse_what_they_do_not_share() -> None:
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((2, 576)), jnp.float32)
@@ -332,6 +361,14 @@ def test_several_weights_in_one_call_refuse_what_they_do_not_share() -> None:
     b = int4_weight(rng, (576, 128), 64, jnp.float16, offsets=True)
     with pytest.raises(ValueError, match="offsets for every weight or for none"):
         cpu.quantized_matmuls(x, [(a.values, a.scales, a.offsets), (a.values, a.scales, None)])
+    with pytest.raises(ValueError, match="one int8_activations flag per weight"):
+        cpu.quantized_matmuls(x, [(a.values, a.scales, a.offsets)] * 2, int8_activations=[True])
+    with pytest.raises(jax.errors.JaxRuntimeError, match="float32 without 8-bit activations"):
+        jax.block_until_ready(  # float activations read float32 scales only
+            cpu.quantized_matmuls(
+                x, [(a.values, a.scales, a.offsets)] * 2, int8_activations=[True, False]
+            )
+        )
     with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape("need int4 [K, N] weights")):
         jax.block_until_ready(
             cpu.quantized_matmuls(
@@ -407,19 +444,51 @@ def test_a_stack_without_its_layer_is_refused() -> None:
             )
 
 
+def test_q_k_and_v_take_one_call_as_the_model_makes_them() -> None:
+    # layers.project_all_to_heads on weights as loaded ([D, N, H], grouped along D) of three
+    # widths: one kernel call in the compiled step, the same values bit for bit as one
+    # `project_to_heads` each, whether q is marked for int8 activations (k and v never are:
+    # quant.FLOAT_ACTIVATIONS) or not. A float weight among them: one product each.
+    rng = np.random.default_rng(22)
+    shapes = ((576, 9, 64), (576, 3, 64), (576, 3, 64))
+    ws = {
+        name: random_weight(rng, (576, n * h), 4, 32, axis=0)
+        for name, (_, n, h) in zip(("wq", "wk", "wv"), shapes, strict=True)
+    }
+    ws = {  # as the loader gives them: [D, N, H]
+        name: jax.tree.map(lambda a, s=s: a.reshape(a.shape[0], s[1], -1), w)
+        for (name, w), s in zip(ws.items(), shapes, strict=True)
+    }
+    x = jnp.asarray(rng.standard_normal((3, 576)), jnp.float32)
+    marked = quant.with_int8_activations(ws)
+    assert marked["wq"].int8_activations and not marked["wk"].int8_activations
+    mixed = {**ws, "wv": quant.dequantize(ws["wv"])}
+    for p, fused in ((marked, True), (ws, True), (mixed, False)):
+        qkv = jax.jit(lambda x, p: layers.project_all_to_heads(x, (p["wq"], p["wk"], p["wv"])))
+        hlo = qkv.lower(x, p).compile().as_text()
+        assert hlo.count("xlaserve_quantized_matmuls") == (1 if fused else 0)
+        assert hlo.count('xlaserve_quantized_matmul"') == (0 if fused else 2)
+        each = [jax.jit(layers.project_to_heads)(x, p[name]) for name in ("wq", "wk", "wv")]
+        got = qkv(x, p)
+        assert [g.shape for g in got] == [(3, n, h) for _, n, h in shapes]
+        for y, want in zip(got, each, strict=True):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
 def test_gate_and_up_take_one_call_as_the_model_makes_it() -> None:
-    # layers.gated_mlp's gate and up, marked for int8 activations: one kernel call in the
-    # compiled step, the same values as one `dense` each; an unmarked pair takes one call each.
+    # layers.gated_mlp's gate and up, marked for int8 activations or not: one kernel call in
+    # the compiled step, the same values as one `dense` each.
     rng = np.random.default_rng(21)
     gate, up, down = (
         random_weight(rng, s, 4, 32, axis=0) for s in ((576, 1536), (576, 1536), (1536, 576))
     )
     marked = quant.with_int8_activations({"w_gate": gate, "w_up": up, "w_down": down})
     x = jnp.asarray(rng.standard_normal((3, 576)), jnp.float32)
-    for p, fused in ((marked, True), ({"w_gate": gate, "w_up": up, "w_down": down}, False)):
+    for p in (marked, {"w_gate": gate, "w_up": up, "w_down": down}):
         both = jax.jit(lambda x, p: layers.dense_all(x, (p["w_gate"], p["w_up"])))
         hlo = both.lower(x, p).compile().as_text()
-        assert hlo.count("xlaserve_quantized_matmuls") == (1 if fused else 0)
+        assert hlo.count("xlaserve_quantized_matmuls") == 1
+        assert hlo.count('xlaserve_quantized_matmul"') == 0
         each = [jax.jit(layers.dense)(x, p[name]) for name in ("w_gate", "w_up")]
         for y, want in zip(both(x, p), each, strict=True):
             np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
