@@ -194,8 +194,8 @@ def products(x: jax.Array, ws: Sequence[QuantizedWeight]) -> list[jax.Array]:
     where the kernel takes every weight (int4 in the same groups of 32k, offsets on all or
     none, those with 8-bit activations with scales of one dtype): q, k and v (k and v keep float
     activations), gate and up. That saves calls' dispatch and their wake-ups of the kernels'
-    thread pool: 0.2-0.5 ms a token for gate and up in SmolLM2's 30 layers, 0.4-0.5 more for
-    q, k and v (bench/RESULTS.md)."""
+    thread pool: 0.2-0.5 ms a token for gate and up in SmolLM2's 30 layers; for q, k and v a
+    median 0.13 ms a step in the engine (0.47 ms timed alone, bench/RESULTS.md)."""
     first = ws[0]
     int8 = [_int8_activations(w, transposed=False) for w in ws]
     int8_scales = {w.scales.dtype for w, flag in zip(ws, int8, strict=True) if flag}
