@@ -41,6 +41,7 @@ TARGETS = {"xlaserve_ragged_attention": "XlaserveRaggedAttention",
            "xlaserve_dense_matmul": "XlaserveDenseMatmul",
            "xlaserve_write_kv": "XlaserveWriteKV"}  # fmt: skip
 DENSE_MAX_ROWS = 16  # kDenseMaxRows in kernels.cc
+MAX_WEIGHTS = 62  # kMaxWeights in kernels.cc: quantized_matmuls' weights, a flag bit each
 
 
 def _cpu_id() -> str:
@@ -201,6 +202,8 @@ def quantized_matmuls(
     flags = [True] * len(weights) if int8_activations is None else list(int8_activations)
     if len(flags) != len(weights):
         raise ValueError("quantized_matmuls: one int8_activations flag per weight")
+    if len(weights) > MAX_WEIGHTS:
+        raise ValueError(f"quantized_matmuls: at most {MAX_WEIGHTS} weights in one call")
     out = [jax.ShapeDtypeStruct((x.shape[0], v.shape[-1]), jnp.float32) for v, _, _ in weights]
     call = jax.ffi.ffi_call("xlaserve_quantized_matmuls", out, vmap_method="sequential")
     dummy = jnp.zeros((1, 1), jnp.float32)

@@ -1374,6 +1374,8 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // (x rounded once for all of them, their scales of one float dtype); the others take x as it is,
 // with float32 scales, tile by tile as `quantized_matmul` does. Args after x: values, scales and
 // offsets (or a dummy) of each weight; one result per weight.
+constexpr int64_t kMaxWeights = 62;  // MAX_WEIGHTS in __init__.py
+
 ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                 ffi::RemainingArgs weights, ffi::RemainingRets ys,
                                 int64_t has_offsets, int64_t int8_activations, int64_t layer) {
@@ -1382,8 +1384,9 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const auto invalid = [](const char* what) {
     return ffi::Error::InvalidArgument(std::string("quantized matmuls: ") + what);
   };
-  if (count == 0 || count > 62 || static_cast<int64_t>(weights.size()) != 3 * count)
+  if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count)
     return invalid("need values, scales and offsets for each result");
+  if (count > kMaxWeights) return invalid("at most 62 weights (a bit of int8_activations each)");
   struct Parts {
     Matrix values, scales, offsets;
     float* y;

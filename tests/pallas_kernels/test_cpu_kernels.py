@@ -363,6 +363,8 @@ def test_several_weights_in_one_call_refuse_what_they_do_not_share() -> None:
         cpu.quantized_matmuls(x, [(a.values, a.scales, a.offsets), (a.values, a.scales, None)])
     with pytest.raises(ValueError, match="one int8_activations flag per weight"):
         cpu.quantized_matmuls(x, [(a.values, a.scales, a.offsets)] * 2, int8_activations=[True])
+    with pytest.raises(ValueError, match="at most 62 weights in one call"):
+        cpu.quantized_matmuls(x, [(a.values, a.scales, a.offsets)] * (cpu.MAX_WEIGHTS + 1))
     with pytest.raises(jax.errors.JaxRuntimeError, match="float32 without 8-bit activations"):
         jax.block_until_ready(  # float activations read float32 scales only
             cpu.quantized_matmuls(
