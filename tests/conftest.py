@@ -3,6 +3,10 @@ buckets is the slow part, so the session shares one)."""
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
+import jax
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -12,6 +16,29 @@ from engine.weights import open_checkpoint, resolve_model
 from tests.engine.tiny_model import write_tiny_checkpoint
 
 PAGE = 4  # small pages, so that short sequences cross many page boundaries
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs(request):
+    """Frees, after each test module, the compiled programs only JAX's caches still hold.
+
+    JAX keeps every executable it compiled for as long as its trace cache keeps the jaxpr, even
+    after the engine that asked for it is gone, and each XLA:CPU executable holds memory maps of
+    its own (about 160 for one step of the tiny engine). Over the whole suite in one process they
+    reached the kernel's limit (vm.max_map_count, 65,530): the next compile failed to map its code,
+    and the exception raised for that crashed in the unwinder. Engines that tests still hold keep
+    their own executables; what a later module needs again is compiled again. Past half the
+    limit it fails here, naming the module, rather than as a crash in some later compile."""
+    yield
+    gc.collect()
+    jax.clear_caches()
+    maps_file, limit_file = Path("/proc/self/maps"), Path("/proc/sys/vm/max_map_count")
+    if maps_file.exists() and limit_file.exists():  # Linux
+        maps, limit = len(maps_file.read_text().splitlines()), int(limit_file.read_text())
+        assert maps < limit // 2, (
+            f"{maps} memory maps after {request.module.__name__} (the limit is {limit}): "
+            "engines that tests keep hold too many compiled programs"
+        )
 
 
 @pytest.fixture(scope="session")
