@@ -1438,6 +1438,10 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                 has_offsets ? static_cast<const float*>(w.offsets.data) : nullptr, group,
                 w.values.cols, tiles[i].tile, w.y);
   };
+  if (int8_scales == ffi::DataType::INVALID) {  // no 8-bit-activation weight: x stays float
+    ParallelFor(pool, static_cast<int64_t>(tiles.size()), float_tile);
+    return ffi::Error::Success();
+  }
   const Int8Rows xr(x.typed_data(), rows, k_size, group, /*nibble_order=*/true);
   const auto run = [&](const auto* tag) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
