@@ -27,9 +27,9 @@ def release_compiled_programs(request):
     hold 5,112, still there once the engine is deleted, 33 after `jax.clear_caches()`. Over the
     whole suite in one process they reached the kernel's limit (vm.max_map_count, 65,530): the
     next compile failed to map its code, and the exception raised for that crashed in the
-    unwinder. Engines that tests still hold keep
-    their own executables; what a later module needs again is compiled again. Past half the
-    limit it fails here, naming the module, rather than as a crash in some later compile."""
+    unwinder. Engines that tests still hold keep their own executables; what a later module
+    needs again is compiled again. Past half the limit it fails here, naming the module, rather
+    than as a crash in some later compile."""
     yield
     gc.collect()
     jax.clear_caches()
